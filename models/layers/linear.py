@@ -1,0 +1,234 @@
+"""Tensor-parallel linear layers. Each holds only this rank's slice of the weight and
+cuts that slice from the full checkpoint tensor in its own `weight_loader`.
+
+Like vLLM's, every layer returns `(output, bias)`; `bias` is None unless `skip_bias_add`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compilecore.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+
+class ShapeMismatchError(ValueError):
+    pass
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ShapeMismatchError(f"expected shape {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    copy_checked(param.data, loaded)
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} {numerator} is not divisible by tensor parallel size {denominator}"
+        )
+    return numerator // denominator
+
+
+def _shard(loaded: torch.Tensor, dim: int, index: int, size: int, full: int) -> torch.Tensor:
+    if loaded.shape[dim] != full:
+        raise ShapeMismatchError(
+            f"expected size {full} along dim {dim}, got shape {tuple(loaded.shape)}"
+        )
+    return loaded.narrow(dim, index * size, size)
+
+
+class LinearBase(nn.Module):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        skip_bias_add: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.skip_bias_add = skip_bias_add
+        self.prefix = prefix
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self._has_bias = bias
+
+    def _make_params(self, out_features: int, in_features: int) -> None:
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=self.params_dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        if self._has_bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=self.params_dtype), requires_grad=False
+            )
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, "
+            f"bias={self._has_bias}, tp={self.tp_size}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, **kwargs):
+        super().__init__(input_size, output_size, **kwargs)
+        self._make_params(output_size, input_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias = None if self.skip_bias_add else self.bias
+        return F.linear(x, self.weight, bias), (self.bias if self.skip_bias_add else None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X A with A split by columns (output features): rank r holds rows r of A^T."""
+
+    def __init__(self, input_size: int, output_size: int, *, gather_output: bool = False, **kw):
+        super().__init__(input_size, output_size, **kw)
+        self.gather_output = gather_output
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output size")
+        self._make_params(self.output_size_per_partition, input_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        copy_checked(param.data, _shard(loaded, 0, self.tp_rank, size, self.output_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bias = None if self.skip_bias_add else self.bias
+        out = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            out = tensor_model_parallel_all_gather(out, dim=-1)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input in one GEMM (gate_up_proj).
+
+    The checkpoint stores them apart; `weight_loader(param, w, shard_id)` places shard
+    `shard_id` (an index into `output_sizes`) at its offset within this rank's slice.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], **kw):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), **kw)
+        for size in self.output_sizes:
+            divide(size, self.tp_size, "output size")
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None:  # already merged in the checkpoint
+            return super().weight_loader(param, loaded)
+        full = self.output_sizes[shard_id]
+        size = full // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        copy_checked(
+            param.data.narrow(0, offset, size), _shard(loaded, 0, self.tp_rank, size, full)
+        )
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one GEMM, split by heads across ranks.
+
+    KV heads are partitioned when there are at least as many as ranks and replicated
+    otherwise (each group of `tp_size / total_num_kv_heads` ranks shares one KV head).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        **kw,
+    ):
+        tp_size = get_tensor_model_parallel_world_size()
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size, "number of attention heads")
+        if tp_size >= total_num_kv_heads:
+            if tp_size % total_num_kv_heads:
+                raise ValueError(
+                    f"tensor parallel size {tp_size} must be a multiple of the number of "
+                    f"KV heads {total_num_kv_heads} to replicate them"
+                )
+            self.num_kv_heads, self.num_kv_head_replicas = 1, tp_size // total_num_kv_heads
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "number of KV heads")
+            self.num_kv_head_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
+        super().__init__(hidden_size, output_size, **kw)
+
+    def _shard_layout(self, shard_id: str) -> tuple[int, int, int, int]:
+        """(offset in this rank's slice, size, index of this rank's shard, full size)."""
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        if shard_id == "q":
+            return 0, q_size, self.tp_rank, self.total_num_heads * self.head_size
+        kv_index = self.tp_rank // self.num_kv_head_replicas
+        full = self.total_num_kv_heads * self.head_size
+        offset = q_size if shard_id == "k" else q_size + kv_size
+        return offset, kv_size, kv_index, full
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
+        if shard_id is None:  # a checkpoint with a fused qkv tensor
+            q, k, v = loaded.split(
+                [
+                    self.total_num_heads * self.head_size,
+                    *[self.total_num_kv_heads * self.head_size] * 2,
+                ]
+            )
+            for sid, part in zip("qkv", (q, k, v)):
+                self.weight_loader(param, part, sid)
+            return
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        offset, size, index, full = self._shard_layout(shard_id)
+        copy_checked(param.data.narrow(0, offset, size), _shard(loaded, 0, index, size, full))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X A with A split by rows (input features); partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, *, reduce_results: bool = True, **kw):
+        super().__init__(input_size, output_size, **kw)
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
+        self._make_params(output_size, self.input_size_per_partition)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # bias: whole, added once after the reduction
+            return default_weight_loader(param, loaded)
+        size = param.shape[1]
+        copy_checked(param.data, _shard(loaded, 1, self.tp_rank, size, self.input_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = F.linear(x, self.weight)
+        if self.reduce_results and self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        if self.bias is not None and not self.skip_bias_add:
+            out = out + self.bias
+        return out, (self.bias if self.skip_bias_add else None)

@@ -1,0 +1,87 @@
+"""Vocabulary-parallel embedding and LM head: rank r holds rows [r*V/tp, (r+1)*V/tp)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compilecore.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from models.layers.linear import ShapeMismatchError, copy_checked
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ):
+        super().__init__()
+        self.prefix = prefix
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        # Pad so every rank holds the same number of rows; padded rows are never looked up
+        # and their logits are cut off by the logits processor.
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty(
+                self.num_embeddings_per_partition,
+                embedding_dim,
+                dtype=params_dtype or torch.get_default_dtype(),
+            ),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape != (self.num_embeddings, self.embedding_dim):
+            raise ShapeMismatchError(
+                f"expected shape {(self.num_embeddings, self.embedding_dim)}, "
+                f"got {tuple(loaded.shape)}"
+            )
+        rows = self.vocab_end - self.vocab_start
+        copy_checked(param.data[:rows], loaded[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local = torch.where(outside, 0, input_ids - self.vocab_start)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return tensor_model_parallel_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; its weight may be tied to the input embedding."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, bias: bool = False, **kw):
+        super().__init__(num_embeddings, embedding_dim, **kw)
+        if bias:
+            self.bias = nn.Parameter(
+                torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype),
+                requires_grad=False,
+            )
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
+        self.weight = embed_tokens.weight
+        return self
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is applied by LogitsProcessor, not called directly")

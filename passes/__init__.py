@@ -1,0 +1,1 @@
+"""FX/Inductor passes and the fused custom ops they emit (see the passes issue)."""

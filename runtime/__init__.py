@@ -1,0 +1,8 @@
+"""The engine: scheduler, paged KV cache, sampler, attention backends, the `LLM` API
+and the CLI. `from runtime import LLM, SamplingParams`."""
+
+from runtime.llm import LLM
+from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

@@ -1,0 +1,152 @@
+"""`compilecore generate` and `compilecore chat`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from runtime.llm import LLM
+from runtime.sampling_params import SamplingParams
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model folder (config.json + safetensors); default: the embedded "
+        "SmolLM2-135M-Instruct, converted once into the cache directory",
+    )
+    g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32 or bfloat16")
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + answer in tokens"
+    )
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
+    g.add_argument("--eager", action="store_true", help="run the plain module (no torch.compile)")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+
+
+def _engine(args: argparse.Namespace) -> LLM:
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.eager,
+        seed=args.seed,
+    )
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        seed=args.sample_seed,
+    )
+
+
+def _report(output) -> None:
+    m = output.metrics
+    ttft = m.time_to_first_token or 0.0
+    speed = m.decode_tokens_per_s
+    speed_s = f", {speed:.1f} tok/s decode" if speed else ""
+    print(
+        f"[{m.num_generated_tokens} tokens, first after {ttft * 1e3:.0f} ms{speed_s}]",
+        file=sys.stderr,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _engine(args)
+    params = _params(args)
+    use_chat = not args.raw and getattr(llm.tokenizer, "chat_template", None)
+    for prompt in args.prompt:
+        if use_chat:
+            out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+        else:
+            out = llm.generate(prompt, params, use_tqdm=False)[0]
+        print(out.outputs[0].text)
+        if args.verbose:
+            _report(out)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _engine(args)
+    params = _params(args)
+    conversation = [{"role": "system", "content": args.system}] if args.system else []
+    print("compilecore chat: type a message; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        conversation.append({"role": "user", "content": line})
+        out = llm.chat(conversation, params, use_tqdm=False)[0]
+        answer = out.outputs[0].text
+        conversation.append({"role": "assistant", "content": answer})
+        print(answer, flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="compilecore",
+        description="A compiler-centric LLM inference engine. With no --model, it runs the "
+        "embedded SmolLM2-135M-Instruct.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser(
+        "generate",
+        help="answer one or more prompts and exit",
+        description="Generate an answer for each prompt (greedy by default). "
+        "Prompts go through the model's chat template unless --raw.",
+    )
+    gen.add_argument("prompt", nargs="+", help="the prompt(s)")
+    gen.add_argument("--raw", action="store_true", help="feed the prompt as-is (no chat template)")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print token count and speed")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=128)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser(
+        "chat",
+        help="an interactive conversation",
+        description="Chat with the model; the conversation is kept across turns.",
+    )
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+        print(f"compilecore: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

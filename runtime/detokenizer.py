@@ -1,0 +1,75 @@
+"""Incremental detokenization and stop strings.
+
+Decoding token by token is wrong for byte-level BPE: one character (an emoji, a CJK
+character) can span several tokens, and a token's text can depend on the one before it.
+So each step decodes a short window of recent tokens twice, with and without the new
+token, and emits the difference once it no longer ends in an incomplete character.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as left context, so the first output token decodes with its spacing.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = stop or []
+        self.include_stop = include_stop_str_in_output
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add a token; returns the stop string it completed, if any."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None  # an incomplete character: wait for the next token
+        delta = full[len(prefix) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._extend(delta, check_stop)
+
+    def flush(self, check_stop: bool = True) -> str | None:
+        """At the end of generation: emit what was held back (an incomplete character
+        decodes to U+FFFD, as a full decode would show it)."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        if len(full) <= len(prefix):
+            return None
+        return self._extend(full[len(prefix) :], check_stop)
+
+    def _extend(self, delta: str, check_stop: bool) -> str | None:
+        start = len(self.text)
+        self.text += delta
+        if not check_stop:
+            return None
+        found = None
+        for stop in self.stop:
+            # A stop string may straddle the previous text and the new delta.
+            idx = self.text.find(stop, max(0, start - len(stop) + 1))
+            if idx != -1 and (found is None or idx < found[0]):
+                found = (idx, stop)
+        if found is None:
+            return None
+        idx, stop = found
+        self.text = self.text[: idx + len(stop)] if self.include_stop else self.text[:idx]
+        return stop

@@ -1,0 +1,114 @@
+"""Runs one scheduled step on the model: fills persistent input buffers, builds the
+attention metadata, sets the forward context, and computes logits only for the rows
+that sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from compilecore.config import EngineConfig
+from compilecore.forward_context import set_forward_context
+from runtime.attention import AttentionMetadata
+from runtime.block_manager import BlockManager
+from runtime.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    order: list[ScheduledRequest]  # rows of the batch: decodes first
+    num_tokens: int
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # last new token of each sequence that samples
+    sampling: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, model: nn.Module, attn_backend):
+        self.config = engine_config
+        self.model = model
+        self.attn_backend = attn_backend
+        self.device = engine_config.device
+        self.block_size = engine_config.cache_config.block_size
+        max_tokens = engine_config.scheduler_config.max_num_batched_tokens
+        # Persistent buffers: the compiled graph (and CUDA graphs) read them in place.
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
+        self.kv_caches: list[torch.Tensor] = []
+
+    @property
+    def attention_layers(self) -> dict[str, nn.Module]:
+        return self.config.compilation_config.static_forward_context
+
+    def kv_cache_bytes_per_block(self) -> int:
+        dtype_size = torch.empty((), dtype=self.config.model_config.dtype).element_size()
+        return sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * dtype_size
+            for layer in self.attention_layers.values()
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        dtype = self.config.model_config.dtype
+        self.kv_caches = []
+        for layer in self.attention_layers.values():
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
+            cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.bind(self.attn_backend, cache)
+            self.kv_caches.append(cache)
+
+    def prepare(self, out: SchedulerOutput, block_manager: BlockManager) -> StepInputs:
+        order = [s for s in out.scheduled if s.num_new_tokens == 1]
+        num_decodes = len(order)
+        order += [s for s in out.scheduled if s.num_new_tokens != 1]
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, seq_lens, tables, logits_rows, sampling = [0], [], [], [], []
+        for s in order:
+            req, begin = s.request, s.request.num_computed_tokens
+            end = begin + s.num_new_tokens
+            table = block_manager.block_table(req.request_id)
+            ids += req.all_token_ids[begin:end]
+            positions += range(begin, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
+            starts.append(starts[-1] + s.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(table)
+            if s.samples:
+                logits_rows.append(starts[-1] - 1)
+                sampling.append(s)
+        n = starts[-1]
+        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long))
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
+        width = max(len(t) for t in tables)
+        table_tensor = torch.zeros((len(tables), width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            num_actual_tokens=n,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_table=table_tensor.to(dev),
+            max_query_len=max(s.num_new_tokens for s in order),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+        )
+        indices = torch.tensor(logits_rows, dtype=torch.long, device=dev)
+        return StepInputs(order, n, meta, indices, sampling)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [len(inputs.sampling), vocab] for the rows that sample."""
+        n = inputs.num_tokens
+        with set_forward_context(inputs.attn_metadata, self.config):
+            hidden = self.model(self.input_ids[:n], self.positions[:n])
+        if not inputs.sampling:
+            return hidden.new_empty((0, 0))
+        return self.model.compute_logits(hidden[inputs.logits_indices])

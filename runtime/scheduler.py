@@ -1,0 +1,132 @@
+"""Continuous batching under a token budget.
+
+Each step: running requests first (decodes, and prompts still being prefilled in chunks),
+then waiting requests in arrival order, as long as the token budget
+(`max_num_batched_tokens`), the sequence cap (`max_num_seqs`) and free KV blocks allow.
+A long prompt is prefilled in chunks across steps. When blocks run out, the most recently
+admitted running request is preempted: its blocks are freed and it goes back to the front
+of the queue to be recomputed (prefix caching usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from compilecore.config import CacheConfig, SchedulerConfig
+from runtime.block_manager import BlockManager
+from runtime.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens (so one is sampled)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ):
+        self.config = scheduler_config
+        self.block_manager = BlockManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(
+                req.request_id, req.all_token_ids, req.num_computed_tokens + num_new
+            ):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return budget
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.block_manager.get_computed_blocks(req.all_token_ids)
+            num_cached = len(hits) * self.block_manager.block_size
+            remaining = req.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and remaining > budget:
+                break
+            num_new = min(remaining, budget)
+            if not self.block_manager.allocate_slots(
+                req.request_id, req.all_token_ids, num_cached + num_new, hits
+            ):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """After the model ran the step: the scheduled tokens are now in the KV cache."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.block_manager.free(req.request_id)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)

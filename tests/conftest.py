@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.helpers import build_tokenizer, llama_config, save_checkpoint
+
+os.environ.setdefault("PYTHONBREAKPOINT", "0")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tokenizer_dir):
+    """(folder, HF model) of a 2-layer GQA Llama with a tokenizer; shared by the session."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    hf = save_checkpoint(path, llama_config(), tokenizer_dir=tokenizer_dir)
+    return path, hf
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from models.default_model import DefaultModelError, ensure_default_model
+
+    try:
+        return ensure_default_model()
+    except DefaultModelError as e:  # pragma: no cover - the setup script installs it
+        pytest.fail(str(e))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

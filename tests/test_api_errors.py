@@ -1,0 +1,95 @@
+"""Bad input gets a clear error before any work, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from models.loader import ModelLoadError
+from runtime import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama[0]), enforce_eager=True, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "prompts, error, match",
+    [
+        ("", ValueError, "prompt 0 is empty"),
+        (["ok", ""], ValueError, "prompt 1 is empty"),
+        ([[1, 2, 99999]], ValueError, "token id 99999 is outside the vocabulary"),
+        ([[1, -5]], ValueError, "token id -5"),
+        ([list(range(3, 70))], ValueError, "67 tokens, but max_model_len=64"),
+        (42, TypeError, "prompts must be"),
+        ([3.5], TypeError, "prompt 0 must be"),
+        ([[1, "a"]], TypeError, "token ids must be integers"),
+        ([{"text": "x"}], ValueError, "needs 'prompt' or 'prompt_token_ids'"),
+    ],
+)
+def test_bad_prompt_raises_and_engine_keeps_serving(llm, prompts, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()  # nothing half-added
+    out = llm.generate(["The quick brown fox"], GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_params_count_must_match_prompts(llm):
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
+        llm.generate(["a"], [GREEDY, GREEDY], use_tqdm=False)
+
+
+def test_missing_model_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match=str(tmp_path / "absent")):
+        LLM(str(tmp_path / "absent"))
+
+
+def test_unknown_architecture_names_folder_and_arch(tmp_path, tiny_llama):
+    import shutil
+
+    shutil.copytree(tiny_llama[0], tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["architectures"] = ["MysteryForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"m: unknown architecture 'MysteryForCausalLM'"):
+        LLM(str(tmp_path / "m"))
+
+
+def test_corrupt_weights(tmp_path, tiny_llama):
+    import shutil
+
+    shutil.copytree(tiny_llama[0], tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(b"\x00" * 64)
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        LLM(str(tmp_path / "m"))
+
+
+def test_kv_budget_too_small_says_what_is_needed(tiny_llama):
+    with pytest.raises(ValueError, match=r"needs 4 blocks \(32768 bytes\)"):
+        LLM(str(tiny_llama[0]), max_model_len=64, kv_cache_memory=8192)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"block_size": 12}, "block_size must be a power of two"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_model_len": 100000}, "exceeds the model's max_position_embeddings=512"),
+        ({"dtype": "int8"}, "dtype='int8' is not supported"),
+        ({"compilation_config": {"bogus": 1}}, "unknown fields"),
+    ],
+)
+def test_bad_engine_arguments(tiny_llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_llama[0]), **kwargs)
+
+
+def test_chat_applies_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt.startswith("<s>user: hi") and out.prompt.endswith("<s>assistant:")

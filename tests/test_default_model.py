@@ -1,0 +1,54 @@
+"""The embedded default model (SmolLM2-135M-Instruct) against HF transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from models import default_model
+from tests.helpers import hf_greedy, hf_logits, load_ours, packed_logits
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def hf_default(default_model_dir):
+    return AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(default_model_dir):
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    text = tok.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_converted_folder_is_complete(default_model_dir):
+    assert default_model_dir == default_model.default_model_dir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (default_model_dir / name).is_file()
+    # Converted atomically: no temporary folders are left beside it.
+    leftovers = [p for p in default_model_dir.parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_prefill_logits_match_hf(default_model_dir, hf_default, chat_prompt):
+    ours, engine_config = load_ours(default_model_dir)
+    prompt = torch.tensor(chat_prompt)
+    got = packed_logits(ours, engine_config, [prompt])
+    want = hf_logits(hf_default, [prompt])
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_greedy_answer_matches_hf(default_model_dir, hf_default, chat_prompt):
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(str(default_model_dir), enforce_eager=True, max_model_len=512)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = llm.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == hf_greedy(hf_default, chat_prompt, 32)
+    assert out.text.startswith("The capital of France is Paris.")

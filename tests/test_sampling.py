@@ -1,0 +1,166 @@
+"""Sampling: parameter validation, the sampler's distributions and filters, and the
+engine's seeded, stop-string, stop-token and logprob behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from runtime.sampler import Sampler
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"n": 0}, "n"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_values_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        SamplingParams(**kwargs)
+
+
+def _draw(params: SamplingParams, probs: list[float], n: int = 3000) -> torch.Tensor:
+    logits = torch.tensor(probs).log().repeat(n, 1)
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    return torch.tensor(Sampler()(logits, [params] * n, gens).token_ids)
+
+
+def test_sampling_follows_the_distribution():
+    probs = [0.5, 0.3, 0.15, 0.05]
+    counts = torch.bincount(_draw(SamplingParams(temperature=1.0), probs), minlength=4) / 3000
+    assert torch.allclose(counts, torch.tensor(probs), atol=0.03)
+
+
+def test_temperature_sharpens():
+    probs = [0.5, 0.3, 0.15, 0.05]
+    cold = torch.bincount(_draw(SamplingParams(temperature=0.5), probs), minlength=4) / 3000
+    expect = torch.tensor(probs) ** 2
+    assert torch.allclose(cold, expect / expect.sum(), atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "params, allowed",
+    [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_p=0.6), {0, 1}),
+        (SamplingParams(min_p=0.5), {0, 1}),
+        (SamplingParams(top_k=1), {0}),
+    ],
+)
+def test_filters_keep_only_allowed_tokens(params, allowed):
+    tokens = set(_draw(params, [0.5, 0.3, 0.15, 0.05], n=500).tolist())
+    assert tokens == allowed
+
+
+def test_greedy_rows_ignore_noise():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [2.0, 0.0, 1.0]])
+    out = Sampler()(logits, [SamplingParams(temperature=0)] * 2, [None, None])
+    assert out.token_ids == [1, 0]
+
+
+# -- through the engine ----------------------------------------------------------------
+PROMPTS = ["The quick brown fox", "Paris is the capital", "héllo 🙂 wörld"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama[0]), enforce_eager=True)
+
+
+def _tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_seed_reproducible_across_batch_compositions(llm):
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _tokens(llm, PROMPTS[0], seeded)[0]
+    others = [
+        SamplingParams(temperature=0.8, max_tokens=5),
+        SamplingParams(temperature=1.0, seed=7),
+    ]
+    mixed = _tokens(llm, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others[0], seeded, others[1]])
+    assert mixed[1] == alone
+    greedy = _tokens(llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert alone != greedy  # the seed really sampled
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(llm):
+    greedy = _tokens(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    top_k = _tokens(llm, PROMPTS, SamplingParams(top_k=1, max_tokens=16, ignore_eos=True))
+    top_p = _tokens(llm, PROMPTS, SamplingParams(top_p=1e-6, max_tokens=16, ignore_eos=True))
+    assert top_k == greedy and top_p == greedy
+
+
+def test_n_samples_differ_and_use_their_own_seeds(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    samples = [c.token_ids for c in out.outputs]
+    assert len({tuple(s) for s in samples}) > 1
+    again = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == samples
+
+
+def test_stop_string_is_trimmed(llm):
+    base = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    full = llm.generate(PROMPTS[1], base, use_tqdm=False)[0].outputs[0]
+    stop = full.text[10:13]
+    assert stop and stop in full.text
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop])
+    out = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[: full.text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    params.include_stop_str_in_output = True
+    kept = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    full = llm.generate(PROMPTS[0], base, use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = full[3]
+    first = full.index(stop_id)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop_id])
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    late = SamplingParams(
+        temperature=0,
+        max_tokens=32,
+        ignore_eos=True,
+        stop_token_ids=[stop_id],
+        min_tokens=first + 2,
+    )
+    out = llm.generate(PROMPTS[0], late, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= first + 2 and out.token_ids == full[: len(out.token_ids)]
+
+
+def test_logprobs_match_hf_log_softmax(llm, tiny_llama):
+    hf = tiny_llama[1]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    res = llm.generate(PROMPTS[2], params, use_tqdm=False)[0]
+    out = res.outputs[0]
+    ids = list(res.prompt_token_ids)
+    for token, entry in zip(out.token_ids, out.logprobs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0, -1].float().log_softmax(-1)
+        top = ref.topk(3)
+        assert len(entry) == 3 and token in entry
+        for tid, value in zip(top.indices.tolist(), top.values.tolist()):
+            assert entry[tid] == pytest.approx(value, abs=1e-4)
+        ids.append(token)
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t] for e, t in zip(out.logprobs, out.token_ids))
+    )
