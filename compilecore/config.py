@@ -140,6 +140,10 @@ class CompilationConfig:
     cudagraph_capture_sizes: list[int] | None = None
     cache_dir: str | None = None
     debug_dump_path: str | None = None
+    # Keep Dynamo's guards and raise on any recompile (slower; for tests and debugging).
+    debug: bool = False
+    # Inductor config patches for every piece, e.g. {"freezing": True}.
+    inductor_options: dict[str, Any] = field(default_factory=dict)
     # Layers that run outside the compiled graph, by prefix (attention layers).
     static_forward_context: dict[str, Any] = field(default_factory=dict, repr=False)
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from compilecore.config import EngineConfig
+from compilecore.decorators import support_torch_compile
 from compilecore.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
 from models.interfaces import SupportsPP, SupportsTP
 from models.layers.activation import SiluAndMul
@@ -186,6 +187,9 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
 class LlamaModel(nn.Module):
     def __init__(
         self,

@@ -37,6 +37,8 @@ class LLMEngine:
         num_blocks = self._num_kv_blocks()
         engine_config.cache_config.num_gpu_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
+        self.compile_seconds = self.runner.warm_up()
+        self.runner.capture_cuda_graphs()
         self.scheduler = Scheduler(
             engine_config.scheduler_config, engine_config.cache_config, num_blocks
         )

@@ -19,6 +19,7 @@ from compilecore.config import (
     SchedulerConfig,
     resolve_dtype,
 )
+from compilecore.cuda_graph import default_capture_sizes
 from models.default_model import ensure_default_model
 from models.loader import ModelLoadError, checkpoint_dtype, load_hf_config
 from models.registry import resolve_model_class
@@ -66,6 +67,9 @@ class LLM:
         compilation = CompilationConfig.from_any(compilation_config)
         if enforce_eager:
             compilation.mode = "none"
+        device_obj = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if compilation.cudagraph_capture_sizes is None and device_obj.type == "cuda":
+            compilation.cudagraph_capture_sizes = default_capture_sizes(max_num_batched_tokens)
         self.engine_config = EngineConfig(
             model_config=ModelConfig(
                 model=str(model_dir),
@@ -82,7 +86,7 @@ class LLM:
             scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             parallel_config=parallel,
             compilation_config=compilation,
-            device=torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+            device=device_obj,
         )
         self.tokenizer = _load_tokenizer(tokenizer or model_dir)
         self.llm_engine = LLMEngine(self.engine_config, self.tokenizer)

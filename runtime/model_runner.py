@@ -4,6 +4,8 @@ that sample."""
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,8 @@ from compilecore.forward_context import set_forward_context
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger("compilecore")
 
 
 @dataclass
@@ -37,6 +41,9 @@ class ModelRunner:
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         self.kv_caches: list[torch.Tensor] = []
+        cc = engine_config.compilation_config
+        graphs = self.device.type == "cuda" and cc.mode != "none"
+        self.capture_sizes = sorted(cc.cudagraph_capture_sizes or []) if graphs else []
 
     @property
     def attention_layers(self) -> dict[str, nn.Module]:
@@ -103,12 +110,70 @@ class ModelRunner:
         indices = torch.tensor(logits_rows, dtype=torch.long, device=dev)
         return StepInputs(order, n, meta, indices, sampling)
 
+    def padded_size(self, num_tokens: int) -> int:
+        """CUDA graphs replay at fixed sizes: pad up to the next one (eager above)."""
+        for size in self.capture_sizes:
+            if size >= num_tokens:
+                return size
+        return num_tokens
+
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [len(inputs.sampling), vocab] for the rows that sample."""
         n = inputs.num_tokens
+        padded = self.padded_size(n)
+        if padded > n:  # padding rows: token 0 at position 0, written nowhere in the cache
+            self.input_ids[n:padded].zero_()
+            self.positions[n:padded].zero_()
         with set_forward_context(inputs.attn_metadata, self.config):
-            hidden = self.model(self.input_ids[:n], self.positions[:n])
+            hidden = self.model(self.input_ids[:padded], self.positions[:padded])
         if not inputs.sampling:
             return hidden.new_empty((0, 0))
         return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile (or load from the cache) before serving; returns the seconds spent.
+        Attention sees no metadata and writes nothing."""
+        if self.config.compilation_config.mode == "none":
+            return 0.0
+        start = time.perf_counter()
+        n = min(16, self.input_ids.shape[0])
+        with set_forward_context(None, self.config):
+            self.model(self.input_ids[:n], self.positions[:n])
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Capture every piece at every capture size, largest first (CUDA only)."""
+        if not self.capture_sizes:
+            return
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        for size in sorted(self.capture_sizes, reverse=True):
+            meta = self._dummy_decode_metadata(size)
+            with set_forward_context(meta, self.config, capturing=True):
+                self.model(self.input_ids[:size], self.positions[:size])
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "captured CUDA graphs for %d sizes in %.1f s, %.0f MiB",
+            len(self.capture_sizes),
+            time.perf_counter() - start,
+            used / 2**20,
+        )
+
+    def _dummy_decode_metadata(self, n: int) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            num_actual_tokens=n,
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            block_table=torch.zeros((n, 1), dtype=torch.int32, device=dev),
+            max_query_len=1,
+            max_seq_len=1,
+            num_decodes=n,
+            query_start_loc_cpu=list(range(n + 1)),
+            seq_lens_cpu=[1] * n,
+        )

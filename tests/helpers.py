@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from compilecore.config import EngineConfig
+from compilecore.config import CompilationConfig, EngineConfig
 from compilecore.forward_context import set_forward_context
 from models.loader import load_hf_config, load_model
 from runtime.attention import AttentionMetadata, DenseAttentionBackend
@@ -93,10 +93,14 @@ def save_checkpoint(
     return model
 
 
-def load_ours(model_dir: Path, dtype: torch.dtype = torch.float32):
-    """Our model loaded from `model_dir`, with the dense backend bound."""
+def load_ours(model_dir: Path, dtype: torch.dtype = torch.float32, compilation_config=None):
+    """Our model loaded from `model_dir`, with the dense backend bound; eager unless a
+    compilation config is given."""
     engine_config = EngineConfig.for_hf_config(
-        load_hf_config(model_dir), model=str(model_dir), dtype=dtype
+        load_hf_config(model_dir),
+        model=str(model_dir),
+        dtype=dtype,
+        compilation_config=compilation_config or CompilationConfig(mode="none"),
     )
     model = load_model(engine_config)
     for layer in engine_config.compilation_config.static_forward_context.values():

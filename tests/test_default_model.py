@@ -52,3 +52,21 @@ def test_greedy_answer_matches_hf(default_model_dir, hf_default, chat_prompt):
     out = llm.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == hf_greedy(hf_default, chat_prompt, 32)
     assert out.text.startswith("The capital of France is Paris.")
+
+
+def test_compiled_engine_matches_eager(default_model_dir, chat_prompt, tmp_path):
+    from compilecore.counters import compilation_counter
+    from runtime import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = LLM(str(default_model_dir), enforce_eager=True, max_model_len=512)
+    want = eager.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    del eager
+    with compilation_counter.expect(num_graphs_seen=1, num_piecewise_graphs_seen=61):
+        llm = LLM(
+            str(default_model_dir),
+            max_model_len=512,
+            compilation_config={"cache_dir": str(tmp_path)},
+        )
+    got = llm.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compilecore.config import EngineConfig
+from compilecore.config import CompilationConfig, EngineConfig
 from compilecore.parallel_state import GroupCoordinator, parallel_state
 from models.interfaces import supports_pp
 from models.layers.attention import Attention
@@ -18,7 +18,9 @@ from tests.helpers import hf_logits, llama_config, load_ours, packed_logits, sav
 
 
 def _engine_config(config, path=""):
-    return EngineConfig.for_hf_config(config, model=str(path))
+    return EngineConfig.for_hf_config(
+        config, model=str(path), compilation_config=CompilationConfig(mode="none")
+    )
 
 
 def test_prefix_equals_module_path():

@@ -1,0 +1,204 @@
+"""The Dynamo backend: split at attention, compile each piece with Inductor once (per
+distinct piece, and per size in `compile_sizes`), cache the results on disk, and return
+the split module whose generated Python calls the compiled pieces in order."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import detect_fake_mode
+from torch._inductor.compile_fx import graph_returns_tuple
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from compilecore.compile_cache import CompileCache, cache_factors, cache_key
+from compilecore.config import EngineConfig
+from compilecore.counters import compilation_counter
+from compilecore.cuda_graph import CUDAGraphWrapper
+from compilecore.split import Piece, graph_signature, split_graph
+from passes.manager import PostGradPassManager
+
+logger = logging.getLogger("compilecore")
+
+
+@dataclass
+class CompileStats:
+    trace_s: float = 0.0
+    inductor_s: float = 0.0
+    load_s: float = 0.0
+    pieces: int = 0
+    factors: dict[str, Any] = field(default_factory=dict)
+
+
+def _token_dim(args: Sequence[Any]) -> tuple[int, int | None] | None:
+    """Where the runtime token count is found: (arg index, None) for a SymInt argument,
+    (arg index, dim) for a tensor with a symbolic dim."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.SymInt):
+            return i, None
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            for d, s in enumerate(a.shape):
+                if isinstance(s, torch.SymInt):
+                    return i, d
+    return None
+
+
+def _concretize(args: Sequence[Any], size: int, mode: FakeTensorMode) -> list[Any]:
+    """The piece's example inputs with every symbolic size set to `size`."""
+
+    def value(s):
+        if isinstance(s, torch.SymInt):
+            expr = s.node.expr
+            return int(expr.subs({sym: size for sym in expr.free_symbols}))
+        return int(s)
+
+    out = []
+    for a in args:
+        if isinstance(a, torch.SymInt):
+            out.append(size)
+        elif isinstance(a, torch.Tensor):
+            shape = [value(s) for s in a.shape]
+            stride = [value(s) for s in a.stride()]
+            with mode:
+                out.append(torch.empty_strided(shape, stride, dtype=a.dtype, device=a.device))
+        else:
+            out.append(a)
+    return out
+
+
+class PiecewiseBackend:
+    """One compiled piece: the general (symbolic-size) artifact plus one per compile size."""
+
+    def __init__(self, general: Callable, by_size: dict[int, Callable], token_dim):
+        self.general, self.by_size, self.token_dim = general, by_size, token_dim
+
+    def __call__(self, *args: Any) -> Any:
+        if self.by_size and self.token_dim is not None:
+            i, d = self.token_dim
+            n = args[i] if d is None else args[i].shape[d]
+            fn = self.by_size.get(n)
+            if fn is not None:
+                return fn(*args)
+        return self.general(*args)
+
+
+class CompilecoreBackend:
+    def __init__(self, engine_config: EngineConfig, tag: str, pass_manager: PostGradPassManager):
+        self.config = engine_config
+        self.tag = tag
+        self.pass_manager = pass_manager
+        self.stats = CompileStats()
+        self.trace_start: float | None = None
+        self.split_gm: fx.GraphModule | None = None
+        self.pieces: list[Piece] = []
+
+    def inductor_options(self) -> dict[str, Any]:
+        patches = dict(self.config.compilation_config.inductor_options)
+        patches["post_grad_custom_pre_pass"] = self.pass_manager
+        return {"config_patches": patches}
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        compilation_counter.num_graphs_seen += 1
+        if self.split_gm is not None:
+            compilation_counter.num_recompiles += 1
+        start = time.perf_counter()
+        if self.trace_start is not None:
+            self.stats.trace_s = start - self.trace_start
+        cc = self.config.compilation_config
+        self.stats.factors = cache_factors(self.config, gm, self.pass_manager.uuid())
+        cache = CompileCache(self.config, cache_key(self.stats.factors), self.tag)
+        split_gm, pieces = split_graph(gm, cc.splitting_ops)
+        self.split_gm, self.pieces = split_gm, pieces
+        compilation_counter.num_piecewise_graphs_seen += len(pieces)
+        to_compile = {p.name: p for p in pieces if not p.is_splitting_op}
+        compilation_counter.num_piecewise_capturable_graphs_seen += len(to_compile)
+        self.stats.pieces = len(pieces)
+
+        fake_mode = detect_fake_mode(example_inputs)
+        compiled: dict[str, Callable] = {}  # graph signature -> PiecewiseBackend
+
+        backend = self
+
+        class Compiler(fx.Interpreter):
+            def call_module(self, target, args, kwargs):
+                out = super().call_module(target, args, kwargs)
+                piece = to_compile.get(target)
+                if piece is not None:
+                    runnable = backend._compile_piece(piece, list(args), cache, compiled)
+                    split_gm.__dict__[target] = runnable
+                return out
+
+        fake_args = [
+            fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs
+        ]
+        with fake_mode, enable_python_dispatcher():
+            Compiler(split_gm).run(*fake_args)
+        total = time.perf_counter() - start
+        logger.info(
+            "compiled %s: %d pieces (%d compiled, %d distinct) in %.1f s "
+            "(tracing %.1f s, inductor %.1f s, loading %.1f s), cache %s",
+            self.tag,
+            len(pieces),
+            len(to_compile),
+            len(compiled),
+            total + self.stats.trace_s,
+            self.stats.trace_s,
+            self.stats.inductor_s,
+            self.stats.load_s,
+            cache.dir,
+        )
+        return split_gm
+
+    def _compile_piece(
+        self, piece: Piece, args: list[Any], cache: CompileCache, compiled: dict
+    ) -> Callable:
+        signature = graph_signature(piece.graph)
+        if signature in compiled:  # an identical decoder layer: reuse its code
+            return self._wrap(compiled[signature], piece)
+        compilation_counter.num_backend_compilations += 1
+        token_dim = _token_dim(args)
+        general = self._compile_or_load(piece, args, f"piece_{piece.index}", cache, dynamic=True)
+        by_size = {}
+        for size in sorted(set(self.config.compilation_config.compile_sizes)):
+            concrete = _concretize(args, size, FakeTensorMode(allow_non_fake_inputs=True))
+            by_size[size] = self._compile_or_load(
+                piece, concrete, f"piece_{piece.index}_size_{size}", cache, dynamic=False
+            )
+        runnable = PiecewiseBackend(general, by_size, token_dim)
+        compiled[signature] = runnable
+        return self._wrap(runnable, piece)
+
+    def _wrap(self, runnable: PiecewiseBackend, piece: Piece) -> Callable:
+        return CUDAGraphWrapper(runnable, self.config, piece.index, runnable.token_dim)
+
+    def _compile_or_load(
+        self, piece: Piece, args: list[Any], name: str, cache: CompileCache, dynamic: bool
+    ):
+        t0 = time.perf_counter()
+        artifact = cache.load(name)
+        if artifact is not None:
+            compilation_counter.num_cache_hits += 1
+            self.stats.load_s += time.perf_counter() - t0
+            if graph_returns_tuple(piece.graph):
+                return artifact
+            # A loaded artifact always returns a list; the split module expects the value.
+            return lambda *a, _art=artifact: _art(*a)[0]
+        if cache.enabled:
+            compilation_counter.num_cache_misses += 1
+        compilation_counter.num_inductor_compiles += 1
+        artifact = torch._inductor.standalone_compile(
+            piece.graph,
+            args,
+            dynamic_shapes="from_tracing_context" if dynamic else "from_example_inputs",
+            options=self.inductor_options(),
+        )
+        cache.save(name, artifact)
+        self.stats.inductor_s += time.perf_counter() - t0
+        return artifact

@@ -1,0 +1,118 @@
+"""The on-disk compile cache: one folder per cache key, one file per compiled piece.
+
+Writes are atomic (write a temporary file, then rename), so two processes compiling the
+same model never leave a half-written entry; a corrupt or unreadable entry is reported
+once, recompiled and replaced. `COMPILECORE_DISABLE_COMPILE_CACHE=1` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from compilecore.config import EngineConfig, cache_root
+
+logger = logging.getLogger("compilecore")
+
+
+def cache_disabled() -> bool:
+    return os.environ.get("COMPILECORE_DISABLE_COMPILE_CACHE", "0") not in ("", "0", "false")
+
+
+def traced_files(gm: fx.GraphModule) -> list[str]:
+    """Source files the Dynamo graph was traced from (from the nodes' stack traces)."""
+    files = set()
+    for node in gm.graph.nodes:
+        trace = node.meta.get("stack_trace") or ""
+        for line in trace.splitlines():
+            line = line.strip()
+            if line.startswith('File "'):
+                files.add(line.split('"')[1])
+    return sorted(f for f in files if os.path.isfile(f))
+
+
+def cache_factors(
+    engine_config: EngineConfig, gm: fx.GraphModule, pass_uuid: str
+) -> dict[str, Any]:
+    """Everything that changes the compiled code, by name (also shown in dumps)."""
+    mc, cc, pc = (
+        engine_config.model_config,
+        engine_config.compilation_config,
+        engine_config.parallel_config,
+    )
+    from compilecore.parallel_state import get_pp_group, get_tp_group
+
+    hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else vars(mc.hf_config)
+    hf = {k: v for k, v in hf.items() if not k.startswith("_") and k != "transformers_version"}
+    sources = hashlib.sha256()
+    for path in traced_files(gm):
+        sources.update(path.encode() + Path(path).read_bytes())
+    return {
+        "torch": torch.__version__,
+        "device": engine_config.device.type,
+        "hf_config": json.dumps(hf, sort_keys=True, default=str),
+        "dtype": str(mc.dtype),
+        "max_model_len": mc.max_model_len,
+        "mode": cc.mode,
+        "splitting_ops": list(cc.splitting_ops),
+        "compile_sizes": sorted(cc.compile_sizes),
+        "inductor_options": json.dumps(cc.inductor_options, sort_keys=True, default=str),
+        "parallel": [pc.tensor_parallel_size, pc.pipeline_parallel_size],
+        "rank": [get_tp_group().rank_in_group, get_pp_group().rank_in_group],
+        "pass_manager": pass_uuid,
+        "traced_sources": sources.hexdigest(),
+        "graph": hashlib.sha256(gm.code.encode()).hexdigest(),
+    }
+
+
+def cache_key(factors: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:24]
+
+
+class CompileCache:
+    def __init__(self, engine_config: EngineConfig, key: str, tag: str):
+        base = engine_config.compilation_config.cache_dir
+        root = Path(base) if base else cache_root() / "torch_compile"
+        self.dir = root / key / tag
+        self.enabled = not cache_disabled()
+
+    def path(self, name: str) -> Path:
+        return self.dir / f"{name}.bin"
+
+    def load(self, name: str) -> Any | None:
+        """The compiled artifact, or None when absent (or unreadable: then it is reported
+        and the caller recompiles and replaces it)."""
+        from torch._inductor import CompiledArtifact
+
+        path = self.path(name)
+        if not self.enabled or not path.is_file():
+            return None
+        try:
+            return CompiledArtifact.load(path=str(path), format="binary")
+        except Exception as e:  # any corruption: truncated file, bad pickle, version skew
+            from compilecore.counters import compilation_counter
+
+            compilation_counter.num_cache_errors += 1
+            logger.warning("compile cache entry %s is unreadable (%s): recompiling it", path, e)
+            return None
+
+    def save(self, name: str, artifact: Any) -> None:
+        if not self.enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.dir)
+        os.close(fd)
+        try:
+            artifact.save(path=tmp, format="binary")
+            os.replace(tmp, self.path(name))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)

@@ -1,0 +1,95 @@
+"""CUDA graphs per padded token count, one wrapper around each compiled piece.
+
+On a CUDA device, the first call of a piece at a size in `cudagraph_capture_sizes`
+during start-up (the runner's capture phase) runs once to warm up and is then captured
+into a graph in one memory pool shared by all pieces; later calls at that size replay
+it. The runner pads each batch to the next capture size and runs eagerly above the
+largest. Attention runs eagerly between pieces and reads its metadata from persistent
+buffers, so replaying the pieces around it is safe. On CPU the wrapper passes through.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compilecore.config import EngineConfig
+from compilecore.counters import compilation_counter
+from compilecore.forward_context import get_forward_context, is_forward_context_available
+
+logger = logging.getLogger("compilecore")
+
+_GRAPH_POOL: Any = None
+
+
+def graph_pool() -> Any:
+    global _GRAPH_POOL
+    if _GRAPH_POOL is None:
+        _GRAPH_POOL = torch.cuda.graph_pool_handle()
+    return _GRAPH_POOL
+
+
+def default_capture_sizes(max_num_batched_tokens: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, 257, 8))
+    return [s for s in sizes if s <= max_num_batched_tokens]
+
+
+@dataclass
+class _Entry:
+    graph: Any
+    output: Any
+    input_ptrs: list[int]
+
+
+class CUDAGraphWrapper:
+    def __init__(self, runnable: Callable, engine_config: EngineConfig, index: int, token_dim):
+        self.runnable = runnable
+        self.index = index
+        self.token_dim = token_dim
+        cc = engine_config.compilation_config
+        self.enabled = engine_config.device.type == "cuda" and bool(cc.cudagraph_capture_sizes)
+        self.sizes = set(cc.cudagraph_capture_sizes or [])
+        self.entries: dict[int, _Entry] = {}
+
+    def _num_tokens(self, args: tuple) -> int | None:
+        if self.token_dim is None:
+            return None
+        i, d = self.token_dim
+        return args[i] if d is None else args[i].shape[d]
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.enabled:
+            return self.runnable(*args)
+        n = self._num_tokens(args)
+        entry = self.entries.get(n)
+        if entry is not None:
+            return self._replay(entry, args)
+        capturing = is_forward_context_available() and get_forward_context().extras.get("capturing")
+        if n not in self.sizes or not capturing:
+            return self.runnable(*args)
+        return self._capture(n, args)
+
+    def _capture(self, n: int, args: tuple) -> Any:
+        self.runnable(*args)  # warm-up: lazy initialisation must not happen inside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=graph_pool()):
+            output = self.runnable(*args)
+        ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+        self.entries[n] = _Entry(graph, output, ptrs)
+        compilation_counter.num_cudagraph_captured += 1
+        return output
+
+    def _replay(self, entry: _Entry, args: tuple) -> Any:
+        if __debug__:
+            ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+            if ptrs != entry.input_ptrs:
+                raise RuntimeError(
+                    f"piece {self.index}: inputs moved since capture; CUDA graph inputs must "
+                    "live in persistent buffers"
+                )
+        entry.graph.replay()
+        return entry.output

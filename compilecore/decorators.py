@@ -1,0 +1,148 @@
+"""`@support_torch_compile`: trace a module's `forward` once, then run the compiled code.
+
+The first call marks the token dimension of the inputs as dynamic (unbacked, so that a
+batch of one token does not specialise the graph), traces `forward` with
+`fullgraph=True` and hands the graph to our backend. Dynamo's result is a new bytecode
+for `forward`; later calls run that bytecode directly, with **no guard evaluation and no
+recompilation**. That is a deliberate contract: a compiled model must not branch on the
+number of tokens or on anything else that changes between steps (the attention op, which
+reads per-step metadata, is outside the compiled pieces). `compilation_config.debug=True`
+keeps Dynamo's guards instead and raises on any recompile.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+import types
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from compilecore.backend import CompilecoreBackend
+from compilecore.config import EngineConfig
+from compilecore.counters import compilation_counter
+from passes.manager import PostGradPassManager
+
+logger = logging.getLogger("compilecore")
+T = TypeVar("T", bound=type[nn.Module])
+
+_capturing_code: dict[types.CodeType, types.CodeType] = {}
+
+
+def _bytecode_hook(old_code: types.CodeType, new_code: types.CodeType) -> None:
+    if old_code in _capturing_code:
+        _capturing_code[old_code] = new_code
+
+
+torch._dynamo.convert_frame.register_bytecode_hook(_bytecode_hook)
+
+
+def _default_dynamic_dims(forward: Callable) -> dict[str, int]:
+    dims = {}
+    for name, p in inspect.signature(forward).parameters.items():
+        # Tensor, Tensor | None, IntermediateTensors | None (strings under PEP 563)
+        if "Tensor" in str(p.annotation):
+            dims[name] = 0
+    return dims
+
+
+def _with_code(function: types.FunctionType, code: types.CodeType) -> types.FunctionType:
+    new = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__)
+    new.__kwdefaults__ = function.__kwdefaults__
+    return new
+
+
+def _mark_unbacked(value: Any, dims: int | list[int]) -> None:
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if isinstance(value, torch.Tensor):
+        for d in dims:
+            torch._dynamo.decorators.mark_unbacked(value, d)
+    elif hasattr(value, "tensors"):  # IntermediateTensors
+        for t in value.tensors.values():
+            _mark_unbacked(t, dims)
+
+
+class CompiledForward:
+    """Compile state of one module instance."""
+
+    def __init__(
+        self, module: nn.Module, engine_config: EngineConfig, dynamic_dims: dict[str, Any]
+    ):
+        self.config = engine_config
+        self.dynamic_dims = dynamic_dims
+        forward = type(module).forward
+        self.signature = inspect.signature(forward)
+        # A private copy of forward's code: Dynamo caches per code object, so every
+        # instance gets its own trace instead of a growing chain of guarded entries.
+        self.function = _with_code(forward, forward.__code__.replace())
+        prefix = getattr(module, "prefix", "")
+        tag = type(module).__name__ + (f".{prefix}" if prefix else "")
+        self.pass_manager = PostGradPassManager()
+        self.backend = CompilecoreBackend(engine_config, tag, self.pass_manager)
+        self.compiled_code: types.CodeType | None = None
+        self.dispatch: types.FunctionType | None = None
+        self.dynamo_fn: Callable | None = None
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.dispatch is not None:
+            return self.dispatch(module, *args, **kwargs)
+        if self.dynamo_fn is not None:  # debug mode: through Dynamo, guards on
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.dynamo_fn(module, *args, **kwargs)
+        return self._compile_and_run(module, *args, **kwargs)
+
+    def _compile_and_run(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        bound = self.signature.bind(module, *args, **kwargs)
+        for name, dims in self.dynamic_dims.items():
+            if bound.arguments.get(name) is not None:
+                _mark_unbacked(bound.arguments[name], dims)
+        compilation_counter.num_models_seen += 1
+        self.dynamo_fn = torch.compile(
+            self.function, fullgraph=True, backend=self.backend, dynamic=False
+        )
+        code = self.function.__code__
+        _capturing_code[code] = None
+        self.backend.trace_start = time.perf_counter()
+        try:
+            out = self.dynamo_fn(module, *args, **kwargs)
+        finally:
+            self.compiled_code = _capturing_code.pop(code, None)
+        if not self.config.compilation_config.debug:
+            if self.compiled_code is None:
+                raise RuntimeError("torch.compile produced no bytecode for forward")
+            self.dispatch = _with_code(self.function, self.compiled_code)
+        return out
+
+
+def support_torch_compile(cls: T | None = None, *, dynamic_arg_dims: dict[str, Any] | None = None):
+    """Class decorator for a module whose constructor takes `engine_config` (keyword)."""
+
+    def decorate(cls: T) -> T:
+        dims = (
+            dynamic_arg_dims if dynamic_arg_dims is not None else _default_dynamic_dims(cls.forward)
+        )
+        original_init = cls.__init__
+
+        def __init__(self, *args: Any, engine_config: EngineConfig, **kwargs: Any) -> None:
+            original_init(self, *args, engine_config=engine_config, **kwargs)
+            compiled = engine_config.compilation_config.mode != "none"
+            self._compiled_forward = (
+                CompiledForward(self, engine_config, dims) if compiled else None
+            )
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            compiled = self.__dict__.get("_compiled_forward")
+            if compiled is None or torch.compiler.is_compiling():
+                return nn.Module.__call__(self, *args, **kwargs)
+            return compiled(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        cls.__call__ = __call__
+        cls._support_torch_compile = True
+        return cls
+
+    return decorate(cls) if cls is not None else decorate

@@ -1,0 +1,179 @@
+"""The compile pipeline: one trace, the split at attention, per-piece Inductor compiles
+(identical pieces once), no recompiles, compiled == eager."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from compilecore.config import CompilationConfig, EngineConfig
+from compilecore.counters import compilation_counter
+from compilecore.decorators import support_torch_compile
+from compilecore.forward_context import set_forward_context
+from runtime import LLM, SamplingParams
+from runtime.attention import AttentionMetadata
+from tests.helpers import load_ours
+
+ATTENTION_CALLS = [0]
+
+
+@torch.library.custom_op("compilecore_test::silly_attention", mutates_args=("out",))
+def silly_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    ATTENTION_CALLS[0] += 1
+    out.copy_(q * 0.25 + k - v)
+
+
+@silly_attention.register_fake
+def _(q, k, v, out) -> None:
+    return None
+
+
+@support_torch_compile
+class SillyModel(nn.Module):
+    """L 'attention' layers around a counting custom op."""
+
+    def __init__(self, *, engine_config: EngineConfig, prefix: str = "", num_layers: int = 4):
+        super().__init__()
+        self.prefix = prefix
+        self.num_layers = num_layers
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.3, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x @ self.weight + 1.0
+        for _ in range(self.num_layers):
+            out = torch.empty_like(x)
+            torch.ops.compilecore_test.silly_attention(x, x * 2.0, x.relu(), out)
+            x = torch.tanh(out @ self.weight) + 0.5
+        return x.sum(-1, keepdim=True) - 1.0
+
+
+def _silly_config(tmp_path, **compilation) -> EngineConfig:
+    cc = CompilationConfig(
+        splitting_ops=["compilecore_test::silly_attention"], cache_dir=str(tmp_path), **compilation
+    )
+    hf = SimpleNamespace(name="silly", max_position_embeddings=1024)
+    return EngineConfig.for_hf_config(hf, compilation_config=cc)
+
+
+@pytest.mark.parametrize("num_layers", [1, 4])
+def test_silly_model_pieces_and_counts(tmp_path, num_layers):
+    torch.manual_seed(0)
+    compiled = SillyModel(engine_config=_silly_config(tmp_path), num_layers=num_layers)
+    eager = SillyModel(engine_config=_silly_config(tmp_path, mode="none"), num_layers=num_layers)
+    eager.load_state_dict(compiled.state_dict())
+    distinct = 2 if num_layers == 1 else 3  # first, middle (shared), last
+    x = torch.randn(5, 8)
+    with compilation_counter.expect(
+        num_graphs_seen=1,
+        num_piecewise_graphs_seen=2 * num_layers + 1,
+        num_piecewise_capturable_graphs_seen=num_layers + 1,
+        num_backend_compilations=distinct,
+        num_inductor_compiles=distinct,
+        num_recompiles=0,
+    ):
+        got = compiled(x)
+    for n in (1, 3, 17):  # attention really runs eagerly between pieces, every call
+        x = torch.randn(n, 8)
+        before = ATTENTION_CALLS[0]
+        got = compiled(x)
+        assert ATTENTION_CALLS[0] - before == num_layers
+        assert torch.allclose(got, eager(x), atol=1e-5)
+
+
+def test_compile_sizes_get_their_own_artifacts(tmp_path):
+    torch.manual_seed(0)
+    model = SillyModel(engine_config=_silly_config(tmp_path, compile_sizes=[4]), num_layers=2)
+    eager = SillyModel(engine_config=_silly_config(tmp_path, mode="none"), num_layers=2)
+    eager.load_state_dict(model.state_dict())
+    with compilation_counter.expect(num_inductor_compiles=6):  # 3 distinct x (general, 4)
+        model(torch.randn(3, 8))
+    for n in (4, 5):
+        x = torch.randn(n, 8)
+        assert torch.allclose(model(x), eager(x), atol=1e-5)
+
+
+def test_debug_mode_keeps_guards_and_never_recompiles(tmp_path):
+    model = SillyModel(engine_config=_silly_config(tmp_path, debug=True), num_layers=2)
+    with compilation_counter.expect(num_graphs_seen=1, num_recompiles=0):
+        for n in (1, 2, 7, 64, 1):
+            model(torch.randn(n, 8))
+    assert model._compiled_forward.dispatch is None  # every call went through Dynamo
+
+
+def test_eager_mode_compiles_nothing(tmp_path):
+    model = SillyModel(engine_config=_silly_config(tmp_path, mode="none"))
+    with compilation_counter.expect(num_graphs_seen=0, num_inductor_compiles=0):
+        model(torch.randn(3, 8))
+
+
+# -- a small random Llama --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_pair(tiny_llama, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("compile_cache")
+    compiled, cfg = load_ours(
+        tiny_llama[0], compilation_config=CompilationConfig(cache_dir=str(cache))
+    )
+    eager, eager_cfg = load_ours(tiny_llama[0])
+    return compiled, cfg, eager, eager_cfg
+
+
+def _hidden(model, cfg, ids):
+    n = len(ids)
+    with torch.inference_mode(), set_forward_context(AttentionMetadata.dense([n]), cfg):
+        return model(ids, torch.arange(n))
+
+
+def test_llama_first_call_traces_once(tiny_llama, tmp_path):
+    cc = CompilationConfig(cache_dir=str(tmp_path))
+    compiled, cfg = load_ours(tiny_llama[0], compilation_config=cc)
+    layers = cfg.model_config.hf_config.num_hidden_layers
+    with compilation_counter.expect(
+        num_graphs_seen=1,
+        num_piecewise_graphs_seen=2 * layers + 1,
+        num_piecewise_capturable_graphs_seen=layers + 1,
+        num_backend_compilations=layers + 1 if layers < 3 else 3,
+        num_cache_misses=layers + 1 if layers < 3 else 3,
+    ):
+        _hidden(compiled, cfg, torch.tensor([1, 2, 3]))
+    with compilation_counter.expect(num_graphs_seen=0):
+        _hidden(compiled, cfg, torch.tensor([4]))
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(n=st.integers(1, 256), seed=st.integers(0, 1000))
+def test_llama_compiled_equals_eager_any_token_count(llama_pair, n, seed):
+    compiled, cfg, eager, eager_cfg = llama_pair
+    _hidden(compiled, cfg, torch.tensor([1]))  # the one compile happens here at most
+    ids = torch.randint(0, 320, (n,), generator=torch.Generator().manual_seed(seed))
+    with compilation_counter.expect(num_graphs_seen=0, num_recompiles=0, num_inductor_compiles=0):
+        got = _hidden(compiled, cfg, ids)
+    want = _hidden(eager, eager_cfg, ids)
+    assert torch.allclose(got, want, atol=1e-5 * want.abs().max().item() + 1e-6)
+
+
+def test_llama_bf16_compiled_close_to_eager(tiny_llama, tmp_path):
+    cc = CompilationConfig(cache_dir=str(tmp_path))
+    compiled, cfg = load_ours(tiny_llama[0], dtype=torch.bfloat16, compilation_config=cc)
+    eager, eager_cfg = load_ours(tiny_llama[0], dtype=torch.bfloat16)
+    ids = torch.randint(0, 320, (37,), generator=torch.Generator().manual_seed(0))
+    got, want = _hidden(compiled, cfg, ids).float(), _hidden(eager, eager_cfg, ids).float()
+    assert (got - want).abs().max().item() <= 3e-2 * want.abs().max().item()
+
+
+def test_engine_greedy_compiled_equals_eager(tiny_llama, tmp_path):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [42], [100 + i for i in range(40)]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cc = {"cache_dir": str(tmp_path)}
+    compiled = LLM(str(tiny_llama[0]), compilation_config=cc, max_num_batched_tokens=32)
+    eager = LLM(str(tiny_llama[0]), enforce_eager=True, max_num_batched_tokens=32)
+    with compilation_counter.expect(num_graphs_seen=0, num_recompiles=0):
+        got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -1,0 +1,52 @@
+"""CUDA graphs per padded batch size (GPU only; skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compilecore.counters import compilation_counter
+from runtime import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+SIZES = [1, 2, 4, 8, 16]
+
+
+@pytest.fixture(scope="module")
+def graphed(tiny_llama, tmp_path_factory):
+    before = compilation_counter.num_cudagraph_captured
+    llm = LLM(
+        str(tiny_llama[0]),
+        device="cuda",
+        dtype="float32",
+        compilation_config={
+            "cudagraph_capture_sizes": SIZES,
+            "cache_dir": str(tmp_path_factory.mktemp("cg_cache")),
+        },
+    )
+    return llm, compilation_counter.num_cudagraph_captured - before
+
+
+def test_captured_graphs_per_size_and_piece(graphed, tiny_llama):
+    _, captured = graphed
+    layers = tiny_llama[1].config.num_hidden_layers
+    assert captured == len(SIZES) * (layers + 1)
+
+
+def test_replay_equals_eager_across_padded_sizes(graphed, tiny_llama):
+    llm, _ = graphed
+    eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True)
+    # 3 sequences decode as 3 tokens (padded to 4); 5 as 5 (padded to 8); prefill above 16.
+    prompts = [[3 + i, 7, 11 + i] for i in range(5)] + [list(range(20, 60))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for batch in (prompts[:3], prompts[:5], prompts):
+        with compilation_counter.expect(num_cudagraph_captured=0):  # no capture after start-up
+            got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+        want = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
+        assert got == want
+
+
+def test_padded_size_rounds_up(graphed):
+    runner = graphed[0].llm_engine.runner
+    assert [runner.padded_size(n) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, 17]
+    assert torch.cuda.is_available()
