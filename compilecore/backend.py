@@ -176,7 +176,12 @@ class CompilecoreBackend:
         return self._wrap(runnable, piece)
 
     def _wrap(self, runnable: PiecewiseBackend, piece: Piece) -> Callable:
-        return CUDAGraphWrapper(runnable, self.config, piece.index, runnable.token_dim)
+        wrapper = CUDAGraphWrapper(runnable, self.config, piece.index, runnable.token_dim)
+        if wrapper.enabled:
+            return wrapper
+        # No CUDA graphs and no per-size code: call the artifact itself (one less frame
+        # per piece per step).
+        return runnable if runnable.by_size else runnable.general
 
     def _compile_or_load(
         self, piece: Piece, args: list[Any], name: str, cache: CompileCache, dynamic: bool
