@@ -21,13 +21,21 @@ VARIANTS = {
     "whole-graph": {"compilation_config": {"splitting_ops": []}},
     "piecewise+cpp_wrapper": {"compilation_config": {"inductor_options": {"cpp_wrapper": True}}},
     "piecewise+max_autotune_gemm": {
-        "compilation_config": {"inductor_options": {"max_autotune_gemm": True,
-                                                    "max_autotune_gemm_backends": "CPP,ATEN"}}
+        "compilation_config": {
+            "inductor_options": {
+                "max_autotune_gemm": True,
+                "max_autotune_gemm_backends": "CPP,ATEN",
+            }
+        }
     },
     "whole-graph+max_autotune_gemm": {
-        "compilation_config": {"splitting_ops": [],
-                               "inductor_options": {"max_autotune_gemm": True,
-                                                    "max_autotune_gemm_backends": "CPP,ATEN"}}
+        "compilation_config": {
+            "splitting_ops": [],
+            "inductor_options": {
+                "max_autotune_gemm": True,
+                "max_autotune_gemm_backends": "CPP,ATEN",
+            },
+        }
     },
 }
 
@@ -54,11 +62,18 @@ def main() -> None:
     results = {}
     for name in args.variants:
         start = time.perf_counter()
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, kv_cache_memory=64 << 20,
-                  **VARIANTS[name])
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            max_model_len=1024,
+            kv_cache_memory=64 << 20,
+            **VARIANTS[name],
+        )
         startup = time.perf_counter() - start
-        results[name] = {"decode_tok_s": decode_speed(llm, prompt, args.tokens, args.repeats),
-                         "startup_s": startup}
+        results[name] = {
+            "decode_tok_s": decode_speed(llm, prompt, args.tokens, args.repeats),
+            "startup_s": startup,
+        }
         print(name, json.dumps(results[name]), flush=True)
         del llm
         gc.collect()
@@ -66,7 +81,8 @@ def main() -> None:
     print(f"\nbatch-1 decode, {args.dtype}, {torch.get_num_threads()} threads")
     print("| variant | decode tok/s | vs eager | start-up s |\n|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['decode_tok_s']:.1f} | {r['decode_tok_s'] / base:.2f}x | {r['startup_s']:.1f} |")
+        speed = r["decode_tok_s"]
+        print(f"| {name} | {speed:.1f} | {speed / base:.2f}x | {r['startup_s']:.1f} |")
 
 
 if __name__ == "__main__":
