@@ -34,6 +34,8 @@ class CompileStats:
     load_s: float = 0.0
     pieces: int = 0
     factors: dict[str, Any] = field(default_factory=dict)
+    # pass name -> sites rewritten over all pieces (a shared compile counts per piece)
+    pass_matches: dict[str, int] = field(default_factory=dict)
 
 
 def _token_dim(args: Sequence[Any]) -> tuple[int, int | None] | None:
@@ -99,9 +101,17 @@ class CompilecoreBackend:
         self.split_gm: fx.GraphModule | None = None
         self.pieces: list[Piece] = []
 
+    @property
+    def must_run_passes(self) -> bool:
+        """Dumps and the verifier need the passes to run: no cached artifact will do."""
+        cc = self.config.compilation_config
+        return bool(cc.debug_dump_path) or cc.passes.verify
+
     def inductor_options(self) -> dict[str, Any]:
         patches = dict(self.config.compilation_config.inductor_options)
         patches["post_grad_custom_pre_pass"] = self.pass_manager
+        if self.must_run_passes:
+            patches["force_disable_caches"] = True
         return {"config_patches": patches}
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -114,6 +124,7 @@ class CompilecoreBackend:
         cc = self.config.compilation_config
         self.stats.factors = cache_factors(self.config, gm, self.pass_manager.uuid())
         cache = CompileCache(self.config, cache_key(self.stats.factors), self.tag)
+        cache.enabled = cache.enabled and not self.must_run_passes
         split_gm, pieces = split_graph(gm, cc.splitting_ops)
         self.split_gm, self.pieces = split_gm, pieces
         compilation_counter.num_piecewise_graphs_seen += len(pieces)
@@ -123,6 +134,7 @@ class CompilecoreBackend:
 
         fake_mode = detect_fake_mode(example_inputs)
         compiled: dict[str, Callable] = {}  # graph signature -> PiecewiseBackend
+        self.canonical: dict[str, str] = {}  # piece name -> name of the piece compiled for it
 
         backend = self
 
@@ -140,6 +152,7 @@ class CompilecoreBackend:
         ]
         with fake_mode, enable_python_dispatcher():
             Compiler(split_gm).run(*fake_args)
+        self._total_matches(cache)
         total = time.perf_counter() - start
         logger.info(
             "compiled %s: %d pieces (%d compiled, %d distinct) in %.1f s "
@@ -156,12 +169,27 @@ class CompilecoreBackend:
         )
         return split_gm
 
+    def _total_matches(self, cache: CompileCache) -> None:
+        counts = self.pass_manager.match_counts
+        if counts:
+            cache.save_json("pass_matches", counts)
+        else:  # everything came from the cache: report what the compile that made it saw
+            counts = cache.load_json("pass_matches") or {}
+        totals: dict[str, int] = {}
+        for canonical in self.canonical.values():
+            for name, n in counts.get(canonical, {}).items():
+                totals[name] = totals.get(name, 0) + n
+        self.stats.pass_matches = totals
+
     def _compile_piece(
         self, piece: Piece, args: list[Any], cache: CompileCache, compiled: dict
     ) -> Callable:
         signature = graph_signature(piece.graph)
         if signature in compiled:  # an identical decoder layer: reuse its code
-            return self._wrap(compiled[signature], piece)
+            runnable, canonical = compiled[signature]
+            self.canonical[piece.name] = canonical
+            return self._wrap(runnable, piece)
+        self.canonical[piece.name] = f"piece_{piece.index}"
         compilation_counter.num_backend_compilations += 1
         token_dim = _token_dim(args)
         general = self._compile_or_load(piece, args, f"piece_{piece.index}", cache, dynamic=True)
@@ -172,7 +200,7 @@ class CompilecoreBackend:
                 piece, concrete, f"piece_{piece.index}_size_{size}", cache, dynamic=False
             )
         runnable = PiecewiseBackend(general, by_size, token_dim)
-        compiled[signature] = runnable
+        compiled[signature] = (runnable, f"piece_{piece.index}")
         return self._wrap(runnable, piece)
 
     def _wrap(self, runnable: PiecewiseBackend, piece: Piece) -> Callable:
@@ -198,6 +226,7 @@ class CompilecoreBackend:
         if cache.enabled:
             compilation_counter.num_cache_misses += 1
         compilation_counter.num_inductor_compiles += 1
+        self.pass_manager.current_piece = name
         artifact = torch._inductor.standalone_compile(
             piece.graph,
             args,

@@ -104,15 +104,28 @@ class CompileCache:
             logger.warning("compile cache entry %s is unreadable (%s): recompiling it", path, e)
             return None
 
-    def save(self, name: str, artifact: Any) -> None:
-        if not self.enabled:
-            return
+    def save_json(self, name: str, data: Any) -> None:
+        if self.enabled:
+            self._atomic_write(name + ".json", lambda tmp: Path(tmp).write_text(json.dumps(data)))
+
+    def load_json(self, name: str) -> Any | None:
+        path = self.dir / f"{name}.json"
+        try:
+            return json.loads(path.read_text()) if self.enabled and path.is_file() else None
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def _atomic_write(self, filename: str, write) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.dir)
+        fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=self.dir)
         os.close(fd)
         try:
-            artifact.save(path=tmp, format="binary")
-            os.replace(tmp, self.path(name))
+            write(tmp)
+            os.replace(tmp, self.dir / filename)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+
+    def save(self, name: str, artifact: Any) -> None:
+        if self.enabled:
+            self._atomic_write(f"{name}.bin", lambda tmp: artifact.save(path=tmp, format="binary"))

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from passes.config import PassConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -144,10 +146,13 @@ class CompilationConfig:
     debug: bool = False
     # Inductor config patches for every piece, e.g. {"freezing": True}.
     inductor_options: dict[str, Any] = field(default_factory=dict)
+    # Pass switches: a passes.config.PassConfig or a dict of its fields.
+    passes: Any = None
     # Layers that run outside the compiled graph, by prefix (attention layers).
     static_forward_context: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        self.passes = PassConfig.from_any(self.passes)
         if self.mode not in ("none", "piecewise"):
             raise ValueError(
                 f"compilation_config.mode must be 'none' or 'piecewise', got {self.mode!r}"

@@ -17,6 +17,7 @@ import logging
 import time
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from compilecore.backend import CompilecoreBackend
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
+from passes.config import AttentionShape, PassContext
 from passes.manager import PostGradPassManager
 
 logger = logging.getLogger("compilecore")
@@ -66,6 +68,27 @@ def _mark_unbacked(value: Any, dims: int | list[int]) -> None:
             _mark_unbacked(t, dims)
 
 
+def pass_context(engine_config: EngineConfig, tag: str) -> PassContext:
+    """What the passes need to know about the model: the attention layers' shapes (from
+    the layers registered so far) and the tensor-parallel group."""
+    from compilecore.parallel_state import get_tp_group
+
+    layers = engine_config.compilation_config.static_forward_context.values()
+    shapes = sorted(
+        {AttentionShape(a.num_heads, a.num_kv_heads, a.head_size) for a in layers},
+        key=lambda s: (s.num_heads, s.num_kv_heads, s.head_dim),
+    )
+    tp = get_tp_group()
+    dump = engine_config.compilation_config.debug_dump_path
+    return PassContext(
+        device_type=engine_config.device.type,
+        attention_shapes=shapes,
+        tp_size=tp.world_size,
+        tp_group_name=tp.group.group_name if tp.group is not None else None,
+        dump_dir=str(Path(dump) / tag / "passes") if dump else None,
+    )
+
+
 class CompiledForward:
     """Compile state of one module instance."""
 
@@ -81,7 +104,9 @@ class CompiledForward:
         self.function = _with_code(forward, forward.__code__.replace())
         prefix = getattr(module, "prefix", "")
         tag = type(module).__name__ + (f".{prefix}" if prefix else "")
-        self.pass_manager = PostGradPassManager()
+        self.pass_manager = PostGradPassManager(
+            engine_config.compilation_config.passes, pass_context(engine_config, tag)
+        )
         self.backend = CompilecoreBackend(engine_config, tag, self.pass_manager)
         self.compiled_code: types.CodeType | None = None
         self.dispatch: types.FunctionType | None = None

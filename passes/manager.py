@@ -1,51 +1,93 @@
 """The post-grad pass manager that the compile backend installs for every piece.
 
-It is an Inductor `CustomGraphPass`: Inductor calls it on each piece's post-grad FX
-graph, and its `uuid()` is part of Inductor's cache key, so a change of passes or of
-their configuration never reuses a stale compiled artifact.
+It is an Inductor `CustomGraphPass`: Inductor calls it on each piece's post-grad FX graph
+(as `post_grad_custom_pre_pass`, before Inductor's own patterns fold the residual add into
+its GEMMs), and its `uuid()` is part of Inductor's cache key, so a change of passes or of
+their configuration never reuses a stale compiled artifact. Order: no-op elimination, the
+enabled fusions (all-reduce first), clean-up.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import json
 import logging
-from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from passes.base import GraphPass
+from passes.cleanup import CleanupPass
+from passes.config import PassConfig, PassContext
+from passes.noop_elimination import NoOpEliminationPass
+from passes.verifier import has_collectives, verify_pass
+
 logger = logging.getLogger("compilecore.passes")
 
-GraphPass = Callable[[fx.Graph], int | None]
 
+def build_passes(switches: dict[str, bool], context: PassContext) -> list[GraphPass]:
+    passes: list[GraphPass] = [NoOpEliminationPass()]
+    if switches["fuse_allreduce_rms_norm"] and context.tp_size > 1 and context.tp_group_name:
+        from passes.fuse_allreduce_rms_norm import AllReduceRMSNormFusionPass
 
-def source_hash(*objects: object) -> str:
-    h = hashlib.sha256()
-    for obj in objects:
-        h.update(
-            inspect.getsource(
-                obj if inspect.isclass(obj) or inspect.isfunction(obj) else type(obj)
-            ).encode()
-        )
-    return h.hexdigest()
+        passes.append(AllReduceRMSNormFusionPass(context.tp_group_name))
+    if switches["fuse_add_rms_norm"]:
+        from passes.fuse_add_rms_norm import AddRMSNormFusionPass
+
+        passes.append(AddRMSNormFusionPass())
+    if switches["fuse_qkv_rope"] and context.attention_shapes:
+        from passes.fuse_qkv_rope import QKVRoPEFusionPass
+
+        passes.append(QKVRoPEFusionPass(context.attention_shapes))
+    passes.append(CleanupPass())
+    return passes
 
 
 class PostGradPassManager(CustomGraphPass):
-    def __init__(self, passes: Sequence[GraphPass] = (), config: dict | None = None):
-        self.passes = list(passes)
-        self.config = dict(config or {})
-        self.match_counts: dict[str, int] = {}
+    def __init__(
+        self,
+        config: PassConfig | None = None,
+        context: PassContext | None = None,
+        passes: list[GraphPass] | None = None,
+    ):
+        self.config = config or PassConfig()
+        self.context = context or PassContext()
+        self.switches = self.config.resolved(self.context.device_type)
+        self.passes = passes if passes is not None else build_passes(self.switches, self.context)
+        self.current_piece = "graph"  # set by the backend before each piece's compile
+        # piece -> pass name -> sites matched (only pieces actually compiled, not cache hits)
+        self.match_counts: dict[str, dict[str, int]] = {}
 
     def __call__(self, graph: fx.Graph) -> None:
-        for graph_pass in self.passes:
-            name = getattr(graph_pass, "name", type(graph_pass).__name__)
-            matched = graph_pass(graph)
-            self.match_counts[name] = self.match_counts.get(name, 0) + int(matched or 0)
-            logger.debug("pass %s matched %s sites", name, matched)
+        counts = self.match_counts.setdefault(self.current_piece, {})
+        verify = self.config.verify and not has_collectives(graph)
+        if self.config.verify and not verify:
+            logger.info("%s holds collectives: not verified", self.current_piece)
+        for step, graph_pass in enumerate(self.passes):
+            before = copy.deepcopy(graph) if verify or self.context.dump_dir else None
+            matched = int(graph_pass(graph) or 0)
+            counts[graph_pass.name] = counts.get(graph_pass.name, 0) + matched
+            logger.debug("%s: pass %s matched %d", self.current_piece, graph_pass.name, matched)
+            if self.context.dump_dir:
+                self._dump(step, graph_pass.name, before, graph)
+            if verify and matched:
+                verify_pass(graph_pass.name, before, graph)
+
+    def _dump(self, step: int, name: str, before: fx.Graph, after: fx.Graph) -> None:
+        folder = Path(self.context.dump_dir) / self.current_piece
+        folder.mkdir(parents=True, exist_ok=True)
+        for label, graph in (("before", before), ("after", after)):
+            path = folder / f"{step:02d}_{name}.{label}.py"
+            path.write_text(graph.python_code("self").src)
 
     def uuid(self) -> str:
-        parts = [source_hash(PostGradPassManager), json.dumps(self.config, sort_keys=True)]
-        parts += [getattr(p, "uuid", lambda p=p: source_hash(p))() for p in self.passes]
+        parts = [
+            inspect.getsource(PostGradPassManager),
+            json.dumps(self.switches, sort_keys=True),
+            json.dumps(self.context.key(), sort_keys=True, default=str),
+            *(p.uuid() for p in self.passes),
+        ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()

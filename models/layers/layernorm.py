@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from passes.ops.add_rms_norm import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -13,12 +15,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in fp32 and cast back before the weight, exactly as HF transformers does,
-        # so bf16 results agree with the reference bit for bit where possible.
-        dtype = x.dtype
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * xf.to(dtype)
+        # The same function the fusion pass traces its pattern from (passes/ops).
+        return rms_norm(x, self.weight, self.variance_epsilon)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

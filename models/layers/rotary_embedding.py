@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from passes.ops.qkv_rope import apply_rope, rope_cos_sin
+
 
 def _default_inv_freq(base: float, rotary_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
@@ -59,21 +61,16 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
         # Not persistent: it is derived, never loaded from a checkpoint.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(x.shape[0], -1, self.head_size)
-        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return torch.cat([rotated, passthrough], dim=-1).reshape(shape)
+        if rotary_dim > head_size or rotary_dim % 2:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_size {head_size}")
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # cos/sin are cast to the activation dtype first, as HF does, so bf16 matches it.
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        # The same functions the QKV+RoPE pass traces its pattern from (passes/ops); cos and
+        # sin are cast to the activation dtype first, as HF does, so bf16 matches it.
+        cos, sin = rope_cos_sin(self.cos_sin_cache, positions, q.dtype)
+        return apply_rope(q, cos, sin, self.head_size), apply_rope(k, cos, sin, self.head_size)
 
     def extra_repr(self) -> str:
         return f"head_size={self.head_size}, base={self.base}, type={self.rope_type}"

@@ -1,0 +1,154 @@
+"""`fused_qkv_rope(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim)
+-> (q, k, v)`: one pass over the QKV projection output that splits it and rotates q and
+k (neox-style rotary embedding over the whole head).
+
+`rope_cos_sin` and `apply_rope` are the math the model itself uses, so the pattern the
+pass looks for is exactly what the model computes."""
+
+from __future__ import annotations
+
+import torch
+
+from passes.ops.triton_utils import next_power_of_2, use_triton
+
+
+def rope_cos_sin(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, rotary_dim / 2] for each position, in the activation dtype."""
+    cos, sin = cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+    return cos, sin
+
+
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int
+) -> torch.Tensor:
+    """Rotate [T, heads * head_size] by (cos, sin); dims past 2 * cos.shape[-1] pass."""
+    width = x.shape[-1]
+    x = x.reshape(-1, width // head_size, head_size)  # static sizes: no symbolic reshape
+    rotary_dim = 2 * cos.shape[-1]
+    # No slice when the whole head rotates, so the traced graph has no no-op to match.
+    x1, x2 = (x if rotary_dim == head_size else x[..., :rotary_dim]).chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    if rotary_dim < head_size:
+        rotated = torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+    return rotated.reshape(-1, width)
+
+
+def fused_qkv_rope_ref(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    cos, sin = rope_cos_sin(cos_sin_cache, positions, qkv.dtype)
+    return apply_rope(q, cos, sin, head_dim), apply_rope(k, cos, sin, head_dim), v.clone()
+
+
+_kernel = None
+
+
+def _get_kernel():
+    global _kernel
+    if _kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def qkv_rope_kernel(
+            qkv_ptr,
+            pos_ptr,
+            cache_ptr,
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            qkv_stride,
+            cache_stride,
+            NUM_HEADS: tl.constexpr,
+            NUM_KV: tl.constexpr,
+            HEAD: tl.constexpr,
+            HALF_BLOCK: tl.constexpr,
+        ):
+            token = tl.program_id(0)
+            head = tl.program_id(1)  # q heads, then k heads, then v heads
+            half = HEAD // 2
+            cols = tl.arange(0, HALF_BLOCK)
+            mask = cols < half
+            src = qkv_ptr + token * qkv_stride + head * HEAD
+            x1 = tl.load(src + cols, mask=mask, other=0.0)
+            x2 = tl.load(src + half + cols, mask=mask, other=0.0)
+            if head < NUM_HEADS + NUM_KV:
+                pos = tl.load(pos_ptr + token)
+                cos = tl.load(cache_ptr + pos * cache_stride + cols, mask=mask, other=0.0)
+                sin = tl.load(cache_ptr + pos * cache_stride + half + cols, mask=mask, other=0.0)
+                cos, sin = cos.to(x1.dtype), sin.to(x1.dtype)
+                o1 = x1 * cos - x2 * sin
+                o2 = x2 * cos + x1 * sin
+                if head < NUM_HEADS:
+                    dst = q_ptr + token * NUM_HEADS * HEAD + head * HEAD
+                else:
+                    dst = k_ptr + token * NUM_KV * HEAD + (head - NUM_HEADS) * HEAD
+            else:
+                o1, o2 = x1, x2
+                dst = v_ptr + token * NUM_KV * HEAD + (head - NUM_HEADS - NUM_KV) * HEAD
+            tl.store(dst + cols, o1, mask=mask)
+            tl.store(dst + half + cols, o2, mask=mask)
+
+        _kernel = qkv_rope_kernel
+    return _kernel
+
+
+def fused_qkv_rope_triton(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim):
+    tokens = qkv.shape[0]
+    q = qkv.new_empty(tokens, num_heads * head_dim)
+    k = qkv.new_empty(tokens, num_kv_heads * head_dim)
+    v = qkv.new_empty(tokens, num_kv_heads * head_dim)
+    if tokens:
+        if qkv.stride(-1) != 1:
+            qkv = qkv.contiguous()
+        grid = (tokens, num_heads + 2 * num_kv_heads)
+        _get_kernel()[grid](
+            qkv,
+            positions,
+            cos_sin_cache,
+            q,
+            k,
+            v,
+            qkv.stride(0),
+            cos_sin_cache.stride(0),
+            NUM_HEADS=num_heads,
+            NUM_KV=num_kv_heads,
+            HEAD=head_dim,
+            HALF_BLOCK=next_power_of_2(head_dim // 2),
+        )
+    return q, k, v
+
+
+@torch.library.custom_op("compilecore::fused_qkv_rope", mutates_args=())
+def fused_qkv_rope(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if use_triton(qkv):
+        return fused_qkv_rope_triton(
+            qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim
+        )
+    return fused_qkv_rope_ref(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim)
+
+
+@fused_qkv_rope.register_fake
+def _(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim):
+    tokens = qkv.shape[0]
+    return (
+        qkv.new_empty(tokens, num_heads * head_dim),
+        qkv.new_empty(tokens, num_kv_heads * head_dim),
+        qkv.new_empty(tokens, num_kv_heads * head_dim),
+    )

@@ -1,0 +1,87 @@
+"""The pass verifier: run a piece's graph before and after a pass on the same random
+inputs (symbolic sizes set to a concrete value) and compare every output."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+logger = logging.getLogger("compilecore.passes")
+
+CONCRETE_SIZE = 8
+_UNINITIALISED = {
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_strided.default,
+    torch.ops.aten.new_empty.default,
+}
+_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+class PassVerificationError(AssertionError):
+    pass
+
+
+def has_collectives(graph: fx.Graph) -> bool:
+    return any(n.op == "call_function" and "_c10d_functional" in str(n.target) for n in graph.nodes)
+
+
+def _concrete(value, size: int) -> int:
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        return int(expr.subs({s: size for s in expr.free_symbols}))
+    return int(value)
+
+
+def _random_input(node: fx.Node, gen: torch.Generator):
+    value = node.meta.get("val")
+    if isinstance(value, torch.SymInt | int):
+        return _concrete(value, CONCRETE_SIZE)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"placeholder {node.name} has no example value")
+    shape = [_concrete(s, CONCRETE_SIZE) for s in value.shape]
+    if value.dtype.is_floating_point:
+        t = torch.randn(shape, generator=gen) * 0.5
+    elif value.dtype == torch.bool:
+        t = torch.zeros(shape, dtype=torch.bool)
+    else:  # token ids and positions: small, valid for any table
+        t = torch.randint(0, CONCRETE_SIZE, shape, generator=gen)
+    return t.to(dtype=value.dtype, device=value.device)
+
+
+def _deterministic_outputs(graph: fx.Graph) -> list[bool]:
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], tuple | list) else (out.args[0],)
+    return [not (isinstance(v, fx.Node) and v.target in _UNINITIALISED) for v in values]
+
+
+def verify_pass(name: str, before: fx.Graph, after: fx.Graph) -> None:
+    """Raise PassVerificationError naming the pass and the first differing output."""
+    gen = torch.Generator().manual_seed(0)
+    placeholders = [n for n in before.nodes if n.op == "placeholder"]
+    with unset_fake_temporarily(), torch.no_grad():
+        inputs = [_random_input(n, gen) for n in placeholders]
+        want = fx.GraphModule(torch.nn.Module(), copy.deepcopy(before))(*inputs)
+        got = fx.GraphModule(torch.nn.Module(), copy.deepcopy(after))(*inputs)
+    want = want if isinstance(want, tuple | list) else (want,)
+    got = got if isinstance(got, tuple | list) else (got,)
+    checked = _deterministic_outputs(before)
+    for i, (w, g, check) in enumerate(zip(want, got, checked)):
+        if not (check and isinstance(w, torch.Tensor)):
+            continue
+        tol = _TOLERANCE.get(w.dtype, 1e-4)
+        if w.shape != g.shape or w.dtype != g.dtype:
+            raise PassVerificationError(
+                f"pass {name}: output {i} changed from {w.dtype}{list(w.shape)} "
+                f"to {g.dtype}{list(g.shape)}"
+            )
+        diff = (w.float() - g.float()).abs().max().item() if w.numel() else 0.0
+        scale = max(w.float().abs().max().item() if w.numel() else 0.0, 1.0)
+        if diff > tol * scale:
+            raise PassVerificationError(
+                f"pass {name}: output {i} differs by {diff:.3g} (tolerance {tol * scale:.3g})"
+            )
+    logger.debug("pass %s verified on %d outputs", name, sum(checked))
