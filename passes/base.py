@@ -27,10 +27,11 @@ class GraphPass:
 
     def uuid(self) -> str:
         h = hashlib.sha256()
-        for cls in type(self).__mro__:
+        for cls in type(self).__mro__:  # the source of every module the pass is made of
             module = sys.modules.get(cls.__module__)
-            if module is not None and cls.__module__.startswith("passes"):
-                h.update(inspect.getsource(module).encode())
+            if module is None or cls.__module__.split(".")[0] in ("builtins", "torch"):
+                continue
+            h.update(inspect.getsource(module).encode())
         h.update(json.dumps(self.config(), sort_keys=True, default=str).encode())
         return h.hexdigest()
 
@@ -57,6 +58,11 @@ PATTERN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def trace_pattern(*args: Any, **kwargs: Any) -> fx.GraphModule:
     """`fwd_only`, then Inductor's own `view_to_reshape`: post-grad graphs (what the
     pattern is matched against) have every view turned into a reshape by then."""
-    gm = fwd_only(*args, **kwargs)
+    try:
+        gm = fwd_only(*args, **kwargs)
+    except ValueError as e:
+        # The matcher retraces a candidate with its real shapes and treats RuntimeError as
+        # "no match"; a shape this pattern cannot take (split sizes) raises ValueError.
+        raise RuntimeError(f"pattern does not apply to these shapes: {e}") from e
     view_to_reshape(gm)
     return gm

@@ -60,5 +60,9 @@ class QKVRoPEFusionPass(PatternPass):
                 positions = torch.zeros(4, dtype=torch.long)
                 cache = torch.empty(16, shape.head_dim, dtype=torch.float32)
                 register_replacement(
-                    search, replace, [qkv, positions, cache], trace_pattern, self.patterns
+                    search,
+                    replace,
+                    [qkv, positions, cache],
+                    trace_pattern,
+                    self.patterns,
                 )

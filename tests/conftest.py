@@ -8,6 +8,9 @@ import torch
 from tests.helpers import build_tokenizer, llama_config, save_checkpoint
 
 os.environ.setdefault("PYTHONBREAKPOINT", "0")
+# Without a GPU, Triton kernels are tested in the interpreter (read when kernels are built).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

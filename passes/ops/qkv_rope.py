@@ -79,15 +79,22 @@ def _get_kernel():
             cols = tl.arange(0, HALF_BLOCK)
             mask = cols < half
             src = qkv_ptr + token * qkv_stride + head * HEAD
-            x1 = tl.load(src + cols, mask=mask, other=0.0)
-            x2 = tl.load(src + half + cols, mask=mask, other=0.0)
+            dtype = q_ptr.dtype.element_ty
+            # fp32 arithmetic rounded like the unfused ops (each product, then the sum).
+            x1 = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + half + cols, mask=mask, other=0.0).to(tl.float32)
             if head < NUM_HEADS + NUM_KV:
                 pos = tl.load(pos_ptr + token)
                 cos = tl.load(cache_ptr + pos * cache_stride + cols, mask=mask, other=0.0)
                 sin = tl.load(cache_ptr + pos * cache_stride + half + cols, mask=mask, other=0.0)
-                cos, sin = cos.to(x1.dtype), sin.to(x1.dtype)
-                o1 = x1 * cos - x2 * sin
-                o2 = x2 * cos + x1 * sin
+                cos = cos.to(dtype).to(tl.float32)
+                sin = sin.to(dtype).to(tl.float32)
+                a = (x1 * cos).to(dtype).to(tl.float32)
+                b = (x2 * sin).to(dtype).to(tl.float32)
+                c = (x2 * cos).to(dtype).to(tl.float32)
+                d = (x1 * sin).to(dtype).to(tl.float32)
+                o1 = a - b
+                o2 = c + d
                 if head < NUM_HEADS:
                     dst = q_ptr + token * NUM_HEADS * HEAD + head * HEAD
                 else:
@@ -95,8 +102,8 @@ def _get_kernel():
             else:
                 o1, o2 = x1, x2
                 dst = v_ptr + token * NUM_KV * HEAD + (head - NUM_HEADS - NUM_KV) * HEAD
-            tl.store(dst + cols, o1, mask=mask)
-            tl.store(dst + half + cols, o2, mask=mask)
+            tl.store(dst + cols, o1.to(dtype), mask=mask)
+            tl.store(dst + half + cols, o2.to(dtype), mask=mask)
 
         _kernel = qkv_rope_kernel
     return _kernel
