@@ -88,6 +88,9 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton";
+    # the COMPILECORE_ATTENTION_BACKEND environment variable overrides it.
+    attention_backend: str = "auto"
     num_gpu_blocks: int | None = None  # set by the engine once the budget is known
 
     def __post_init__(self) -> None:
@@ -95,6 +98,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from compilecore.config import EngineConfig
 from models.loader import load_model
 from runtime.attention import TorchPagedAttentionBackend
+from runtime.attention.triton_paged import TritonPagedAttentionBackend, triton_usable
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import ModelRunner
 from runtime.request import Request
@@ -22,8 +24,20 @@ logger = logging.getLogger("compilecore")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def select_attention_backend(device: torch.device) -> Any:
-    return TorchPagedAttentionBackend()
+def select_attention_backend(device: torch.device, requested: str = "auto") -> Any:
+    """Triton on CUDA, torch elsewhere, unless the config or the environment forces one."""
+    choice = os.environ.get("COMPILECORE_ATTENTION_BACKEND", requested)
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" and triton_usable(device) else "torch"
+    if choice == "triton" and not triton_usable(device):
+        raise ValueError(
+            "the Triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 to run "
+            "its kernels in the interpreter); use attention_backend='torch'"
+        )
+    if choice not in ("torch", "triton"):
+        raise ValueError(f"unknown attention backend {choice!r}; use auto, torch or triton")
+    logger.info("attention backend: %s on %s", choice, device.type)
+    return TritonPagedAttentionBackend() if choice == "triton" else TorchPagedAttentionBackend()
 
 
 class LLMEngine:
@@ -31,9 +45,10 @@ class LLMEngine:
         self.config = engine_config
         self.tokenizer = tokenizer
         self.model = load_model(engine_config)
-        self.runner = ModelRunner(
-            engine_config, self.model, select_attention_backend(engine_config.device)
+        backend = select_attention_backend(
+            engine_config.device, engine_config.cache_config.attention_backend
         )
+        self.runner = ModelRunner(engine_config, self.model, backend)
         num_blocks = self._num_kv_blocks()
         engine_config.cache_config.num_gpu_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)

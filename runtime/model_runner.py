@@ -40,6 +40,16 @@ class ModelRunner:
         # Persistent buffers: the compiled graph (and CUDA graphs) read them in place.
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
+        # Attention metadata lives in persistent buffers too: kernels read them on the device
+        # (no host sync), and their addresses never change between steps.
+        max_seqs = engine_config.scheduler_config.max_num_seqs
+        max_blocks = -(-engine_config.model_config.max_model_len // self.block_size)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=self.device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
+        self.block_table = torch.zeros(
+            (max_seqs, max_blocks), dtype=torch.int32, device=self.device
+        )
         self.kv_caches: list[torch.Tensor] = []
         cc = engine_config.compilation_config
         graphs = self.device.type == "cuda" and cc.mode != "none"
@@ -87,27 +97,30 @@ class ModelRunner:
             if s.samples:
                 logits_rows.append(starts[-1] - 1)
                 sampling.append(s)
-        n = starts[-1]
-        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long))
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long))
+        n, b = starts[-1], len(order)
+        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        self.query_start_loc[: b + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        self.seq_lens[:b].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=torch.int64))
         width = max(len(t) for t in tables)
-        table_tensor = torch.zeros((len(tables), width), dtype=torch.int32)
+        table_rows = torch.zeros((b, width), dtype=torch.int32)
         for i, t in enumerate(tables):
-            table_tensor[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        dev = self.device
+            table_rows[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.block_table[:b, :width].copy_(table_rows)
         meta = AttentionMetadata(
             num_actual_tokens=n,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=table_tensor.to(dev),
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            slot_mapping=self.slot_mapping[:n],
+            block_table=self.block_table[:b],
             max_query_len=max(s.num_new_tokens for s in order),
             max_seq_len=max(seq_lens),
             num_decodes=num_decodes,
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        indices = torch.tensor(logits_rows, dtype=torch.long, device=dev)
+        indices = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         return StepInputs(order, n, meta, indices, sampling)
 
     def padded_size(self, num_tokens: int) -> int:

@@ -1,0 +1,154 @@
+"""The Triton kernels of the paged-attention backend (imported only where Triton is
+usable; see triton_paged.py for what they do)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    k_stride,
+    v_stride,
+    ROW: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    cols = tl.arange(0, ROW_BLOCK)
+    mask = (cols < ROW) & ((cols * 0 + slot) >= 0)  # a block mask: padding rows write nothing
+    k = tl.load(k_ptr + token * k_stride + cols, mask=mask)
+    v = tl.load(v_ptr + token * v_stride + cols, mask=mask)
+    tl.store(kc_ptr + slot * ROW + cols, k, mask=mask)
+    tl.store(vc_ptr + slot * ROW + cols, v, mask=mask)
+
+
+@triton.jit
+def find_seq(query_start_loc_ptr, num_seqs, token):
+    lo = 0
+    hi = num_seqs
+    while lo < hi:  # the last sequence whose first token is <= token
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid + 1) <= token:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    out_ptr,
+    part_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    table_ptr,
+    num_seqs,
+    scale,
+    q_stride,
+    out_stride,
+    table_stride,
+    blocks_per_split,
+    NUM_KV: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_BLOCK: tl.constexpr,
+    HEAD: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = find_seq(qsl_ptr, num_seqs, token)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_pos = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start)  # its position
+
+    g = tl.arange(0, GROUP_BLOCK)
+    d = tl.arange(0, HEAD_BLOCK)
+    g_mask, d_mask = g < GROUP, d < HEAD
+    heads = kv_head * GROUP + g
+    q = tl.load(
+        q_ptr + token * q_stride + heads[:, None] * HEAD + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    m = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_BLOCK], tl.float32)
+    acc = tl.zeros([GROUP_BLOCK, HEAD_BLOCK], tl.float32)
+
+    num_blocks = q_pos // BLOCK + 1
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, num_blocks)
+    offs = tl.arange(0, BLOCK)
+    for b in range(first, last):
+        block_id = tl.load(table_ptr + seq * table_stride + b).to(tl.int64)
+        k_pos = b * BLOCK + offs
+        visible = k_pos <= q_pos
+        rows = (block_id * BLOCK + offs) * NUM_KV * HEAD + kv_head * HEAD
+        kv_mask = visible[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(vc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP, BLOCK]
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if SPLIT:  # partial results: [token, head, split, HEAD + 2] = (acc, m, l)
+        num_splits = tl.num_programs(2)
+        base = ((token * NUM_KV * GROUP + heads) * num_splits + split) * (HEAD + 2)
+        tl.store(part_ptr + base[:, None] + d[None, :], acc, mask=out_mask)
+        tl.store(part_ptr + base + HEAD, m, mask=g_mask)
+        tl.store(part_ptr + base + HEAD + 1, l_sum, mask=g_mask)
+    else:
+        out = acc / l_sum[:, None]
+        dst = out_ptr + token * out_stride + heads[:, None] * HEAD + d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def merge_kernel(
+    part_ptr,
+    out_ptr,
+    out_stride,
+    num_splits,
+    HEAD: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    sp = tl.arange(0, SPLIT_BLOCK)
+    d = tl.arange(0, HEAD_BLOCK)
+    sp_mask, d_mask = sp < num_splits, d < HEAD
+    base = ((token * num_heads + head) * num_splits + sp) * (HEAD + 2)
+    m = tl.load(part_ptr + base + HEAD, mask=sp_mask, other=float("-inf"))
+    l_sum = tl.load(part_ptr + base + HEAD + 1, mask=sp_mask, other=0.0)
+    acc = tl.load(
+        part_ptr + base[:, None] + d[None, :],
+        mask=sp_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    m_all = tl.max(m, axis=0)
+    w = tl.where(sp_mask & (l_sum > 0), tl.exp(m - m_all), 0.0)
+    total = tl.sum(w * l_sum, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / total
+    tl.store(
+        out_ptr + token * out_stride + head * HEAD + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )

@@ -1,0 +1,167 @@
+"""Triton paged attention: the GPU backend of the attention op.
+
+Two kernels. `write_kv_cache` scatters the step's new K/V rows into the paged cache by
+slot mapping (slot -1, a padding row, writes nothing). `unified_attention` serves a
+whole mixed batch in one launch: one program per (query token, KV head) finds its
+sequence by binary search in `query_start_loc`, then walks that sequence's blocks up to
+its own position (its cached prefix plus the causal part of the new tokens) with an
+online softmax in fp32. The query heads that share a KV head are handled together, so
+K/V are loaded once per group (GQA/MQA without copies). For long contexts at small
+batch, a split-KV (flash-decoding) launch spreads each token's blocks over several
+programs and a second kernel merges their partial softmaxes.
+
+Every per-step value (offsets, lengths, block tables, slots) is read from device
+tensors inside the kernels: no host synchronisation, so the runner can keep them in
+persistent buffers while the compiled pieces around attention replay as CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from runtime.attention.metadata import AttentionMetadata
+
+_kernels: dict = {}
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def kernels() -> dict:
+    if not _kernels:
+        from runtime.attention import triton_kernels as tk
+
+        _kernels.update(
+            write=tk.write_kv_kernel, attention=tk.attention_kernel, merge=tk.merge_kernel
+        )
+    return _kernels
+
+
+def write_kv_cache_triton(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    _, _, _, kv_heads, head = kv_cache.shape
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    row = kv_heads * head
+    k, v = k.reshape(-1, row), v.reshape(-1, row)
+    kernels()["write"][(n,)](
+        k,
+        v,
+        kv_cache[0],
+        kv_cache[1],
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        ROW=row,
+        ROW_BLOCK=_next_pow2(row),
+    )
+
+
+def choose_num_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
+    """Split the KV walk when few programs would each walk a long context."""
+    programs = num_tokens * num_kv_heads
+    blocks = -(-max_seq_len // block_size)
+    if programs >= 128 or blocks < 64:
+        return 1
+    return min(16, max(2, 128 // programs), blocks // 16)
+
+
+def paged_attention_triton(
+    q,
+    kv_cache,
+    output,
+    meta: AttentionMetadata,
+    num_heads: int,
+    num_kv_heads: int,
+    head: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> None:
+    n = meta.num_actual_tokens
+    if n == 0:
+        return
+    block = kv_cache.shape[2]
+    if num_splits is None:
+        num_splits = choose_num_splits(n, num_kv_heads, meta.max_seq_len, block)
+    max_blocks = -(-meta.max_seq_len // block)
+    per_split = -(-max_blocks // num_splits)
+    group = num_heads // num_kv_heads
+    q = q.reshape(q.shape[0], -1)
+    part = (
+        q.new_empty((n, num_heads, num_splits, head + 2), dtype=torch.float32)
+        if num_splits > 1
+        else q.new_empty(1, dtype=torch.float32)
+    )
+    table = meta.block_table
+    kernels()["attention"][(n, num_kv_heads, num_splits)](
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        output,
+        part,
+        meta.query_start_loc,
+        meta.seq_lens,
+        table,
+        meta.num_seqs,
+        scale,
+        q.stride(0),
+        output.stride(0),
+        table.stride(0),
+        per_split,
+        NUM_KV=num_kv_heads,
+        GROUP=group,
+        GROUP_BLOCK=_next_pow2(group),
+        HEAD=head,
+        HEAD_BLOCK=_next_pow2(head),
+        BLOCK=block,
+        SPLIT=num_splits > 1,
+    )
+    if num_splits > 1:
+        kernels()["merge"][(n, num_heads)](
+            part,
+            output,
+            output.stride(0),
+            num_splits,
+            HEAD=head,
+            HEAD_BLOCK=_next_pow2(head),
+            SPLIT_BLOCK=_next_pow2(num_splits),
+        )
+
+
+class TritonPagedAttentionBackend:
+    name = "triton"
+
+    def __init__(self, num_splits: int | None = None):
+        self.num_splits = num_splits  # None: chosen per step by choose_num_splits
+
+    def forward(self, layer, q, k, v, output, attn_metadata: AttentionMetadata) -> None:
+        meta = attn_metadata
+        if meta is None:  # a profiling or tracing run with no real batch
+            output.zero_()
+            return
+        n = meta.num_actual_tokens
+        write_kv_cache_triton(layer.kv_cache, k[:n], v[:n], meta.slot_mapping[:n])
+        paged_attention_triton(
+            q,
+            layer.kv_cache,
+            output,
+            meta,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_size,
+            layer.scale,
+            self.num_splits,
+        )
+
+
+def triton_usable(device: torch.device) -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,116 @@
+"""The Triton paged-attention kernels: under TRITON_INTERPRET=1 on CPU (small drawn
+shapes) against the torch backend and dense attention; on CUDA for real (GPU-marked)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime import LLM, SamplingParams
+from runtime.attention import TorchPagedAttentionBackend
+from runtime.attention.triton_paged import TritonPagedAttentionBackend, choose_num_splits
+from tests.attention_cases import Batch, batches, build_case, run_and_check
+
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set without CUDA)"
+)
+SMALL = dict(
+    head_sizes=(64, 80, 96, 128),
+    block_sizes=(16, 32),
+    max_ctx=40,
+    max_q=5,
+    max_seqs=2,
+    dtypes=(torch.float32, torch.bfloat16),
+)
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+@interpreted
+@settings(max_examples=12, deadline=None)
+@given(batch=batches(**SMALL), splits=st.sampled_from([1, 2]))
+def test_triton_equals_torch_and_dense(batch, splits):
+    case = build_case(batch)
+    got = run_and_check(case, TritonPagedAttentionBackend(num_splits=splits), TOL[batch.dtype])
+    again = build_case(batch)  # fresh cache: the torch backend writes it too
+    want = run_and_check(again, TorchPagedAttentionBackend(), TOL[batch.dtype])
+    n = case.meta.num_actual_tokens
+    scale = max(1.0, want[:n].float().abs().max().item())
+    assert (got[:n].float() - want[:n].float()).abs().max().item() <= TOL[batch.dtype] * scale
+
+
+@interpreted
+def test_split_kv_long_context():
+    batch = Batch(
+        block_size=16, kv_heads=1, heads=2, head_size=64, seqs=[(150, 1)], padding=1, seed=3
+    )
+    run_and_check(build_case(batch), TritonPagedAttentionBackend(num_splits=4), 1e-4)
+
+
+def test_split_heuristic():
+    assert choose_num_splits(1, 8, 8192, 16) > 1  # one decode over a long context: split
+    assert choose_num_splits(256, 8, 8192, 16) == 1  # enough programs already
+    assert choose_num_splits(1, 8, 256, 16) == 1  # short context
+
+
+@interpreted
+def test_engine_greedy_triton_equals_torch(tiny_llama):
+    prompts = [[5, 6, 7, 8, 9], [42], [100 + i for i in range(20)]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama[0]), enforce_eager=True, attention_backend=backend)
+        outs[backend] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    assert outs["triton"] == outs["torch"]
+
+
+def test_forcing_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypatch):
+    from runtime.engine import select_attention_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_attention_backend(torch.device("cpu"), "triton")
+    assert select_attention_backend(torch.device("cpu")).name == "torch"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_size, block_size", [(64, 16), (80, 16), (96, 32), (128, 32)])
+def test_triton_on_cuda_real_sizes(dtype, head_size, block_size):
+    seqs = [(500, 1)] * 8 + [(300, 64), (0, 200)]
+    batch = Batch(
+        block_size=block_size,
+        kv_heads=8,
+        heads=32,
+        head_size=head_size,
+        seqs=seqs,
+        padding=3,
+        seed=0,
+        dtype=dtype,
+    )
+    case = build_case(batch)
+    case.layer.kv_cache = case.layer.kv_cache.cuda()
+    case.cache_before = case.cache_before.cuda()
+    for name in ("q", "k", "v"):
+        setattr(case, name, getattr(case, name).cuda())
+    meta = case.meta
+    for name in ("query_start_loc", "seq_lens", "slot_mapping", "block_table"):
+        setattr(meta, name, getattr(meta, name).cuda())
+    out = torch.empty_like(case.q)
+    TritonPagedAttentionBackend().forward(case.layer, case.q, case.k, case.v, out, meta)
+    ref_layer = type(case.layer)(32, 8, head_size, case.cache_before.clone())
+    ref = torch.empty_like(case.q)
+    TorchPagedAttentionBackend().forward(ref_layer, case.q, case.k, case.v, ref, meta)
+    n = meta.num_actual_tokens
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}[dtype]
+    assert (out[:n].float() - ref[:n].float()).abs().max().item() <= tol * ref[
+        :n
+    ].float().abs().max().item() + tol
+    assert torch.equal(case.layer.kv_cache, ref_layer.kv_cache)
