@@ -21,6 +21,7 @@ from compilecore.compile_cache import CompileCache, cache_factors, cache_key
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
 from compilecore.cuda_graph import CUDAGraphWrapper
+from compilecore.dump import dump_root, write_graphs, write_inductor_code
 from compilecore.split import Piece, graph_signature, split_graph
 from passes.manager import PostGradPassManager
 
@@ -135,6 +136,7 @@ class CompilecoreBackend:
         fake_mode = detect_fake_mode(example_inputs)
         compiled: dict[str, Callable] = {}  # graph signature -> PiecewiseBackend
         self.canonical: dict[str, str] = {}  # piece name -> name of the piece compiled for it
+        self.artifacts: dict[str, Any] = {}  # compiled piece name -> its general artifact
 
         backend = self
 
@@ -153,6 +155,11 @@ class CompilecoreBackend:
         with fake_mode, enable_python_dispatcher():
             Compiler(split_gm).run(*fake_args)
         self._total_matches(cache)
+        root = dump_root(self.config)
+        if root is not None:
+            write_graphs(root / self.tag, gm, split_gm, pieces)
+            for name, artifact in self.artifacts.items():
+                write_inductor_code(root / self.tag, name, artifact)
         total = time.perf_counter() - start
         logger.info(
             "compiled %s: %d pieces (%d compiled, %d distinct) in %.1f s "
@@ -193,6 +200,7 @@ class CompilecoreBackend:
         compilation_counter.num_backend_compilations += 1
         token_dim = _token_dim(args)
         general = self._compile_or_load(piece, args, f"piece_{piece.index}", cache, dynamic=True)
+        self.artifacts[f"piece_{piece.index}"] = general
         by_size = {}
         for size in sorted(set(self.config.compilation_config.compile_sizes)):
             concrete = _concretize(args, size, FakeTensorMode(allow_non_fake_inputs=True))

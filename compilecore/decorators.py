@@ -17,7 +17,6 @@ import logging
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -26,6 +25,7 @@ from torch import nn
 from compilecore.backend import CompilecoreBackend
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
+from compilecore.dump import dump_root, write_report, write_transformed_code
 from passes.config import AttentionShape, PassContext
 from passes.manager import PostGradPassManager
 
@@ -79,13 +79,13 @@ def pass_context(engine_config: EngineConfig, tag: str) -> PassContext:
         key=lambda s: (s.num_heads, s.num_kv_heads, s.head_dim),
     )
     tp = get_tp_group()
-    dump = engine_config.compilation_config.debug_dump_path
+    root = dump_root(engine_config)
     return PassContext(
         device_type=engine_config.device.type,
         attention_shapes=shapes,
         tp_size=tp.world_size,
         tp_group_name=tp.group.group_name if tp.group is not None else None,
-        dump_dir=str(Path(dump) / tag / "passes") if dump else None,
+        dump_dir=str(root / tag / "passes") if root else None,
     )
 
 
@@ -103,7 +103,7 @@ class CompiledForward:
         # instance gets its own trace instead of a growing chain of guarded entries.
         self.function = _with_code(forward, forward.__code__.replace())
         prefix = getattr(module, "prefix", "")
-        tag = type(module).__name__ + (f".{prefix}" if prefix else "")
+        tag = self.tag = type(module).__name__ + (f".{prefix}" if prefix else "")
         self.pass_manager = PostGradPassManager(
             engine_config.compilation_config.passes, pass_context(engine_config, tag)
         )
@@ -136,6 +136,10 @@ class CompiledForward:
             out = self.dynamo_fn(module, *args, **kwargs)
         finally:
             self.compiled_code = _capturing_code.pop(code, None)
+        root = dump_root(self.config)
+        if root is not None and self.compiled_code is not None:
+            write_transformed_code(root / self.tag, self.compiled_code)
+            write_report(root, self.tag, self.backend)
         if not self.config.compilation_config.debug:
             if self.compiled_code is None:
                 raise RuntimeError("torch.compile produced no bytecode for forward")

@@ -28,6 +28,24 @@ from passes.verifier import has_collectives, verify_pass
 logger = logging.getLogger("compilecore.passes")
 
 
+def op_name(target) -> str:
+    """`aten.add` for torch.ops.aten.add.Tensor, `compilecore.fused_add_rms_norm`, ..."""
+    packet = getattr(target, "_overloadpacket", target)
+    name = getattr(packet, "_qualified_op_name", None)
+    if name:
+        return name.replace("::", ".")
+    return getattr(target, "__name__", str(target))
+
+
+def op_histogram(graph: fx.Graph) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            name = op_name(node.target)
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def build_passes(switches: dict[str, bool], context: PassContext) -> list[GraphPass]:
     passes: list[GraphPass] = [NoOpEliminationPass()]
     if switches["fuse_allreduce_rms_norm"] and context.tp_size > 1 and context.tp_group_name:
@@ -60,9 +78,12 @@ class PostGradPassManager(CustomGraphPass):
         self.current_piece = "graph"  # set by the backend before each piece's compile
         # piece -> pass name -> sites matched (only pieces actually compiled, not cache hits)
         self.match_counts: dict[str, dict[str, int]] = {}
+        # piece -> {"before": op histogram, "after": op histogram} around all passes
+        self.histograms: dict[str, dict[str, dict[str, int]]] = {}
 
     def __call__(self, graph: fx.Graph) -> None:
         counts = self.match_counts.setdefault(self.current_piece, {})
+        histogram = {"before": op_histogram(graph)}
         verify = self.config.verify and not has_collectives(graph)
         if self.config.verify and not verify:
             logger.info("%s holds collectives: not verified", self.current_piece)
@@ -75,13 +96,17 @@ class PostGradPassManager(CustomGraphPass):
                 self._dump(step, graph_pass.name, before, graph)
             if verify and matched:
                 verify_pass(graph_pass.name, before, graph)
+        histogram["after"] = op_histogram(graph)
+        self.histograms[self.current_piece] = histogram
 
     def _dump(self, step: int, name: str, before: fx.Graph, after: fx.Graph) -> None:
         folder = Path(self.context.dump_dir) / self.current_piece
         folder.mkdir(parents=True, exist_ok=True)
+        # Named by pass, not by position, so dumps with other passes on still pair up.
         for label, graph in (("before", before), ("after", after)):
-            path = folder / f"{step:02d}_{name}.{label}.py"
-            path.write_text(graph.python_code("self").src)
+            (folder / f"{name}.{label}.py").write_text(graph.python_code("self").src)
+        with open(folder / "order.txt", "w" if step == 0 else "a") as f:
+            f.write(name + "\n")
 
     def uuid(self) -> str:
         parts = [

@@ -107,6 +107,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dump(args: argparse.Namespace) -> int:
+    passes = {"fuse_add_rms_norm": False, "fuse_qkv_rope": False}
+    for name in args.passes:
+        passes[f"fuse_{name}"] = True
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        compilation_config={"debug_dump_path": args.out, "passes": passes},
+    )
+    if args.prompt:
+        out = llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        print(out[0].outputs[0].text, file=sys.stderr)
+    print(f"dump written to {args.out}")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from compilecore.dump_diff import diff_dumps, format_diff
+
+    diff = diff_dumps(args.a, args.b)
+    print(format_diff(diff, stat=args.stat))
+    return 0 if diff.equal else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compilecore",
@@ -136,6 +162,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+
+    dump = sub.add_parser(
+        "dump",
+        help="compile a model and dump every graph as readable files",
+        description="Compile the model with graph dumps on: transformed "
+        "bytecode (depyf), the graph before and after the split, "
+        "each piece before and after each pass, Inductor's code, "
+        "and report.json/report.md.",
+    )
+    dump.add_argument("--out", required=True, help="the dump folder")
+    dump.add_argument("--prompt", default=None, help="also generate a few tokens for this prompt")
+    dump.add_argument(
+        "--passes",
+        nargs="*",
+        default=[],
+        choices=["add_rms_norm", "qkv_rope"],
+        help="fusion passes to turn on (default: the device's defaults off)",
+    )
+    dump.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
+    dump.add_argument("--dtype", default="auto")
+    dump.add_argument("--max-model-len", type=int, default=None)
+    dump.add_argument("--kv-cache-memory", type=int, default=None)
+    dump.set_defaults(func=cmd_dump)
+
+    diff = sub.add_parser(
+        "diff",
+        help="compare two dumps (exit 0 when equal, 1 when not)",
+        description="Pair the files of two dumps, normalize addresses, "
+        "generated names, hashes and paths, and print per-piece "
+        "op-count deltas and a unified diff of each changed file.",
+    )
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument("--stat", action="store_true", help="the summary only")
+    diff.set_defaults(func=cmd_diff)
     return parser
 
 

@@ -1,0 +1,157 @@
+"""Dumping what the compiler did, as readable files (`compilation_config.debug_dump_path`).
+
+Under DIR/rank_<r>/<module tag>/:
+
+    transformed_code.py    Dynamo's bytecode for forward, decompiled by depyf
+    dynamo_graph.py        the traced graph, before the split
+    split_graph.py         the graph that calls the pieces in order
+    pieces/piece_NN.py     each piece (attention pieces too)
+    passes/piece_N/        each compiled piece before and after each pass
+    inductor/piece_N.py    Inductor's output code per compiled piece
+
+and DIR/rank_<r>/report.json + report.md: pieces with op histograms, pass match counts,
+compile times, the cache key and its factors, versions. `compilecore diff` compares two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+from compilecore.config import EngineConfig
+
+
+def dump_root(engine_config: EngineConfig) -> Path | None:
+    path = engine_config.compilation_config.debug_dump_path
+    if not path:
+        return None
+    from compilecore.parallel_state import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return Path(path) / f"rank_{pp.rank_in_group * tp.world_size + tp.rank_in_group}"
+
+
+def _readable(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=True, include_device=True)
+
+
+def _torch_op_histogram(gm: fx.GraphModule) -> dict[str, int]:
+    from passes.manager import op_name
+
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            name = op_name(node.target) if node.op == "call_function" else f"Tensor.{node.target}"
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def write_graphs(folder: Path, gm: fx.GraphModule, split_gm: fx.GraphModule, pieces) -> None:
+    (folder / "pieces").mkdir(parents=True, exist_ok=True)
+    (folder / "dynamo_graph.py").write_text(_readable(gm))
+    (folder / "split_graph.py").write_text(split_gm.code)
+    for piece in pieces:
+        (folder / "pieces" / f"piece_{piece.index:02d}.py").write_text(_readable(piece.graph))
+
+
+def write_inductor_code(folder: Path, name: str, artifact: Any) -> None:
+    # The generated module's source is private to Inductor: dump it when it is there.
+    source = getattr(getattr(artifact, "_compiled_fn", None), "source_code", None)
+    if source:
+        (folder / "inductor").mkdir(parents=True, exist_ok=True)
+        (folder / "inductor" / f"{name}.py").write_text(str(source))
+
+
+def write_transformed_code(folder: Path, code: types.CodeType) -> None:
+    os.environ.setdefault("PYTHONBREAKPOINT", "0")  # depyf's debug helpers must never block
+    import depyf
+
+    try:
+        source = depyf.decompile(code)
+    except Exception as e:  # a decompiler gap must not break compilation
+        source = f"# depyf could not decompile this code object: {e}\n"
+    (folder / "transformed_code.py").write_text(source)
+
+
+def piece_report(backend) -> list[dict[str, Any]]:
+    histograms = backend.pass_manager.histograms
+    rows = []
+    for piece in backend.pieces:
+        row: dict[str, Any] = {"index": piece.index, "name": piece.name}
+        if piece.is_splitting_op:
+            row.update(kind="attention", ops=_torch_op_histogram(piece.graph))
+        else:
+            canonical = backend.canonical.get(piece.name)
+            found = histograms.get(canonical, {})
+            row.update(
+                kind="compiled",
+                compiled_as=canonical,
+                ops=found.get("after", {}),
+                ops_before_passes=found.get("before", {}),
+            )
+        rows.append(row)
+    return rows
+
+
+def write_report(root: Path, tag: str, backend) -> None:
+    import importlib.metadata as md
+
+    def version(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    stats = backend.stats
+    entry = {
+        "versions": {n: version(n) for n in ("torch", "triton", "depyf", "transformers")},
+        "cache_factors": stats.factors,
+        "compile_seconds": {
+            "tracing": stats.trace_s,
+            "inductor": stats.inductor_s,
+            "loading": stats.load_s,
+        },
+        "pass_matches": stats.pass_matches,
+        "pieces": piece_report(backend),
+    }
+    path = root / "report.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    report[tag] = entry
+    path.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
+    (root / "report.md").write_text(report_markdown(report))
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    lines = ["# compilecore dump", ""]
+    for tag, entry in report.items():
+        secs = entry["compile_seconds"]
+        lines += [
+            f"## {tag}",
+            "",
+            f"torch {entry['versions']['torch']}, triton {entry['versions']['triton']}; "
+            f"compile: tracing {secs['tracing']:.1f} s, Inductor {secs['inductor']:.1f} s, "
+            f"loading {secs['loading']:.1f} s",
+            "",
+            "| piece | kind | ops | most frequent |",
+            "|---|---|---|---|",
+        ]
+        for p in entry["pieces"]:
+            top = sorted(p["ops"].items(), key=lambda kv: -kv[1])[:4]
+            top_s = ", ".join(f"{k} {v}" for k, v in top)
+            lines.append(f"| {p['index']} | {p['kind']} | {sum(p['ops'].values())} | {top_s} |")
+        lines += [
+            "",
+            "Pass matches: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(entry["pass_matches"].items())) or "none"),
+            "",
+            "Cache key factors:",
+            "",
+        ]
+        lines += [f"- {k}: `{str(v)[:120]}`" for k, v in sorted(entry["cache_factors"].items())]
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""Property-based testing helpers for model authors.
+
+    from hypothesis import given
+    from compilecore.testing import llama_configs, token_counts, assert_compiled_matches_eager
+
+    @given(config=llama_configs(), n=token_counts())
+    def test_my_model(config, n):
+        assert_compiled_matches_eager(build(config, compiled=True), build(config, compiled=False),
+                                      make_inputs(config, n))
+
+`llama_configs()` draws valid small HF Llama configs; `batches()` draws mixtures of prefill
+chunks and decodes; `assert_compiled_matches_eager` runs both modules and fails on a
+numeric difference or on any recompilation; `assert_no_recompile()` guards a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from compilecore.counters import compilation_counter
+
+
+@st.composite
+def llama_configs(draw, max_layers: int = 3, vocab_size: int = 320, max_positions: int = 512):
+    """Small valid `transformers.LlamaConfig`s: head counts that divide, KV heads that
+    divide the heads (MHA, GQA, MQA), head dims that differ from hidden/heads, tied or
+    untied embeddings, default or llama3 rope scaling."""
+    from transformers import LlamaConfig
+
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    scaling = draw(st.sampled_from([None, "llama3"]))
+    rope = None
+    if scaling == "llama3":
+        rope = {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": max_positions // 4,
+        }
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=heads * draw(st.sampled_from([8, 16])),
+        head_dim=draw(st.sampled_from([8, 16, 32])),
+        intermediate_size=draw(st.sampled_from([32, 64, 96])),
+        num_hidden_layers=draw(st.integers(1, max_layers)),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=draw(st.booleans()),
+        rope_scaling=rope,
+    )
+
+
+def token_counts(max_tokens: int = 256) -> st.SearchStrategy[int]:
+    """Batch token counts, with the sizes that break naive dynamic shapes drawn often."""
+    return st.one_of(st.sampled_from([1, 2, 8, 16, 17]), st.integers(1, max_tokens))
+
+
+@dataclass
+class BatchSpec:
+    """A mixed batch: sequences with `context` cached tokens and `query` new tokens.
+    Decodes (query 1) come first, as the scheduler orders them."""
+
+    seqs: list[tuple[int, int]]
+    token_ids: list[list[int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(q for _, q in self.seqs)
+
+
+@st.composite
+def batches(
+    draw, vocab_size: int = 320, max_seqs: int = 4, max_context: int = 48, max_query: int = 24
+):
+    n_decode = draw(st.integers(0, max_seqs))
+    n_prefill = draw(st.integers(0 if n_decode else 1, max_seqs))
+    seqs = [(draw(st.integers(1, max_context)), 1) for _ in range(n_decode)]
+    seqs += [
+        (draw(st.integers(0, max_context)), draw(st.integers(2, max_query)))
+        for _ in range(n_prefill)
+    ]
+    ids = [
+        draw(st.lists(st.integers(0, vocab_size - 1), min_size=c + q, max_size=c + q))
+        for c, q in seqs
+    ]
+    return BatchSpec(seqs, ids)
+
+
+@contextmanager
+def assert_no_recompile() -> Iterator[None]:
+    """Fail if anything in the block traces or compiles a graph again."""
+    with compilation_counter.expect(num_graphs_seen=0, num_recompiles=0, num_inductor_compiles=0):
+        yield
+
+
+def _flatten(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _flatten(v)]
+    if hasattr(out, "tensors"):
+        return _flatten(out.tensors)
+    return [t for v in out for t in _flatten(v)]
+
+
+def assert_compiled_matches_eager(
+    compiled: Callable,
+    eager: Callable,
+    *args: Any,
+    context: Callable[[], Any] | None = None,
+    rtol: float | None = None,
+    warm_up: bool = True,
+) -> None:
+    """Run both on `args` (inside `context()` if given) and compare every output tensor,
+    relative to its largest value; the compiled call must not recompile (after one
+    warm-up call that may compile). Default tolerance: 1e-5 for fp32, 2e-2 otherwise."""
+    ctx = context or nullcontext
+    with torch.inference_mode():
+        if warm_up:
+            with ctx():
+                compiled(*args)
+        with assert_no_recompile(), ctx():
+            got = _flatten(compiled(*args))
+        with ctx():
+            want = _flatten(eager(*args))
+    assert len(got) == len(want), f"{len(got)} outputs compiled, {len(want)} eager"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"output {i}: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        tol = rtol if rtol is not None else (1e-5 if w.dtype == torch.float32 else 2e-2)
+        scale = max(w.float().abs().max().item(), 1e-6)
+        diff = (g.float() - w.float()).abs().max().item()
+        assert diff <= tol * scale, f"output {i}: compiled differs from eager by {diff:.3g}"
