@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
+from compilecore import testing
 from runtime.attention import AttentionMetadata
 
 
@@ -45,10 +46,9 @@ def batches(
 ):
     kv_heads = draw(st.sampled_from([1, 2]))
     ratio = draw(st.sampled_from([1, 2, 3]))
-    n_decode = draw(st.integers(0, max_seqs))
-    n_prefill = draw(st.integers(0 if n_decode else 1, max_seqs))
-    seqs = [(draw(st.integers(0, max_ctx)), 1) for _ in range(n_decode)]  # (context, query)
-    seqs += [(draw(st.integers(0, max_ctx)), draw(st.integers(1, max_q))) for _ in range(n_prefill)]
+    # The mixture of decodes and prefill chunks comes from the public strategy.
+    spec = draw(testing.batches(max_seqs=max_seqs, max_context=max_ctx, max_query=max_q))
+    seqs = spec.seqs
     return Batch(
         block_size=draw(st.sampled_from(block_sizes)),
         kv_heads=kv_heads,

@@ -11,13 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from compilecore import testing
 from compilecore.config import CompilationConfig, EngineConfig
 from compilecore.counters import compilation_counter
 from compilecore.decorators import support_torch_compile
 from compilecore.forward_context import set_forward_context
 from runtime import LLM, SamplingParams
 from runtime.attention import AttentionMetadata
-from tests.helpers import load_ours
+from tests.helpers import load_ours, save_checkpoint
 
 ATTENTION_CALLS = [0]
 
@@ -177,3 +178,53 @@ def test_engine_greedy_compiled_equals_eager(tiny_llama, tmp_path):
         got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+# -- property tests with compilecore.testing -------------------------------------------
+def _call(model, cfg):
+    def run(ids, positions):
+        with set_forward_context(AttentionMetadata.dense([len(ids)]), cfg):
+            return model(ids, positions)
+
+    return run
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    config=testing.llama_configs(max_layers=2),
+    sizes=st.lists(testing.token_counts(64), min_size=2, max_size=4),
+)
+def test_any_llama_config_compiled_equals_eager(tmp_path_factory, config, sizes):
+    path = tmp_path_factory.mktemp("drawn")
+    save_checkpoint(path, config)
+    cc = CompilationConfig(cache_dir=str(tmp_path_factory.mktemp("cache")))
+    compiled = _call(*load_ours(path, compilation_config=cc))
+    eager = _call(*load_ours(path))
+    for n in sizes:
+        ids = torch.randint(0, config.vocab_size, (n,))
+        # The first call compiles; every later size must run the same code.
+        testing.assert_compiled_matches_eager(compiled, eager, ids, torch.arange(n))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(spec=testing.batches(max_seqs=3, max_context=20, max_query=12))
+def test_padding_invariance(tiny_llama, padded_llm, spec):
+    """Padding a batch up to a CUDA-graph size (token 0, position 0, written nowhere)
+    leaves every real row's result unchanged."""
+    plain, padded = padded_llm
+    prompts = [ids[: c + q] for ids, (c, q) in zip(spec.token_ids, spec.seqs)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in padded.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+@pytest.fixture(scope="module")
+def padded_llm(tiny_llama, tmp_path_factory):
+    cc = {"cache_dir": str(tmp_path_factory.mktemp("pad_cache"))}
+    plain = LLM(str(tiny_llama[0]), compilation_config=cc)
+    padded = LLM(str(tiny_llama[0]), compilation_config=cc)
+    # The padding path CUDA graphs use, exercised on CPU: pad each batch to these sizes.
+    padded.llm_engine.runner.capture_sizes = [4, 8, 16, 32, 64, 128]
+    assert padded.llm_engine.runner.padded_size(5) == 8
+    return plain, padded
