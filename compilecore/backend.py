@@ -235,12 +235,20 @@ class CompilecoreBackend:
             compilation_counter.num_cache_misses += 1
         compilation_counter.num_inductor_compiles += 1
         self.pass_manager.current_piece = name
-        artifact = torch._inductor.standalone_compile(
-            piece.graph,
-            args,
-            dynamic_shapes="from_tracing_context" if dynamic else "from_example_inputs",
-            options=self.inductor_options(),
-        )
+        # Without caches Inductor cannot make a savable artifact and says so; we do not save.
+        quiet = logging.getLogger("torch._inductor.standalone_compile")
+        level = quiet.level
+        if not cache.enabled:
+            quiet.setLevel(logging.ERROR)
+        try:
+            artifact = torch._inductor.standalone_compile(
+                piece.graph,
+                args,
+                dynamic_shapes="from_tracing_context" if dynamic else "from_example_inputs",
+                options=self.inductor_options(),
+            )
+        finally:
+            quiet.setLevel(level)
         cache.save(name, artifact)
         self.stats.inductor_s += time.perf_counter() - t0
         return artifact

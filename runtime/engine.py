@@ -3,57 +3,31 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
-import torch
-
 from compilecore.config import EngineConfig
-from models.loader import load_model
-from runtime.attention import TorchPagedAttentionBackend
-from runtime.attention.triton_paged import TritonPagedAttentionBackend, triton_usable
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.model_runner import ModelRunner
+from runtime.executor import LocalExecutor
+from runtime.model_runner import plan_step
 from runtime.request import Request
 from runtime.sampler import Sampler
 from runtime.scheduler import Scheduler
 
 logger = logging.getLogger("compilecore")
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-
-
-def select_attention_backend(device: torch.device, requested: str = "auto") -> Any:
-    """Triton on CUDA, torch elsewhere, unless the config or the environment forces one."""
-    choice = os.environ.get("COMPILECORE_ATTENTION_BACKEND", requested)
-    if choice == "auto":
-        choice = "triton" if device.type == "cuda" and triton_usable(device) else "torch"
-    if choice == "triton" and not triton_usable(device):
-        raise ValueError(
-            "the Triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 to run "
-            "its kernels in the interpreter); use attention_backend='torch'"
-        )
-    if choice not in ("torch", "triton"):
-        raise ValueError(f"unknown attention backend {choice!r}; use auto, torch or triton")
-    logger.info("attention backend: %s on %s", choice, device.type)
-    return TritonPagedAttentionBackend() if choice == "triton" else TorchPagedAttentionBackend()
-
 
 class LLMEngine:
-    def __init__(self, engine_config: EngineConfig, tokenizer: Any):
+    def __init__(self, engine_config: EngineConfig, tokenizer: Any, executor: Any = None):
         self.config = engine_config
         self.tokenizer = tokenizer
-        self.model = load_model(engine_config)
-        backend = select_attention_backend(
-            engine_config.device, engine_config.cache_config.attention_backend
-        )
-        self.runner = ModelRunner(engine_config, self.model, backend)
+        self.executor = executor or LocalExecutor(engine_config)
+        # Rank 0's shard, for looking inside (the compiled model, the runner).
+        self.model, self.runner = self.executor.worker.model, self.executor.worker.runner
         num_blocks = self._num_kv_blocks()
         engine_config.cache_config.num_gpu_blocks = num_blocks
-        self.runner.initialize_kv_cache(num_blocks)
-        self.compile_seconds = self.runner.warm_up()
-        self.runner.capture_cuda_graphs()
+        self.executor.init_cache(num_blocks)
+        self.compile_seconds = self.executor.worker.compile_seconds
         self.scheduler = Scheduler(
             engine_config.scheduler_config, engine_config.cache_config, num_blocks
         )
@@ -64,14 +38,8 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache_config
         per_block = self.runner.kv_cache_bytes_per_block()
-        budget = cache.kv_cache_memory
-        if budget is None:
-            if self.config.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.config.device)
-                budget = int(free - (1 - cache.gpu_memory_utilization) * total)
-            else:
-                budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = budget // per_block
+        budget = self.executor.worker.kv_budget_bytes()
+        num_blocks = self.executor.num_kv_blocks()
         max_len = self.config.model_config.max_model_len
         needed = -(-max_len // cache.block_size)
         if num_blocks < needed:
@@ -107,12 +75,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out:
             return []
-        inputs = self.runner.prepare(out, self.scheduler.block_manager)
-        logits = self.runner.execute(inputs)
+        plan, sampling = plan_step(out, self.scheduler.block_manager)
+        logits = self.executor.execute(plan)
         self.scheduler.advance(out)
-        if not inputs.sampling:
+        if not sampling:
             return []
-        requests = [s.request for s in inputs.sampling]
+        requests = [s.request for s in sampling]
         sampled = self.sampler(
             logits, [r.sampling_params for r in requests], [r.generator for r in requests]
         )

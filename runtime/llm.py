@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from models.default_model import ensure_default_model
 from models.loader import ModelLoadError, checkpoint_dtype, load_hf_config
 from models.registry import resolve_model_class
 from runtime.engine import LLMEngine
+from runtime.executor import MultiprocExecutor, validate_parallel_config
 from runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
@@ -37,62 +39,34 @@ class LLM:
         model: str | None = None,
         *,
         tokenizer: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        compilation_config: CompilationConfig | dict | None = None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        seed: int = 0,
-        device: str | None = None,
+        distributed_executor_backend: str = "mp",
+        **engine_args: Any,
     ):
-        model_dir = Path(model) if model is not None else ensure_default_model()
-        hf_config = load_hf_config(model_dir)
-        archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
-        try:
-            resolve_model_class(archs[0])
-        except ValueError as e:
-            raise ModelLoadError(f"{model_dir}: {e}") from None
-        parallel = ParallelConfig(tensor_parallel_size, pipeline_parallel_size)
-        if parallel.world_size > 1:
-            raise NotImplementedError(
-                "tensor/pipeline parallelism is not available yet (the distributed issue); "
-                "use tensor_parallel_size=1 and pipeline_parallel_size=1"
-            )
-        compilation = CompilationConfig.from_any(compilation_config)
-        if enforce_eager:
-            compilation.mode = "none"
-        device_obj = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if compilation.cudagraph_capture_sizes is None and device_obj.type == "cuda":
-            compilation.cudagraph_capture_sizes = default_capture_sizes(max_num_batched_tokens)
-        self.engine_config = EngineConfig(
-            model_config=ModelConfig(
-                model=str(model_dir),
-                hf_config=hf_config,
-                dtype=resolve_dtype(dtype, checkpoint_dtype(hf_config)),
-                max_model_len=max_model_len or hf_config.max_position_embeddings,
-                seed=seed,
-            ),
-            cache_config=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=kv_cache_memory,
-                enable_prefix_caching=enable_prefix_caching,
-                attention_backend=attention_backend,
-            ),
-            scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            parallel_config=parallel,
-            compilation_config=compilation,
-            device=device_obj,
-        )
+        """`engine_args`: see `build_engine_config` (dtype, max_model_len, max_num_seqs,
+        max_num_batched_tokens, block_size, kv_cache_memory, enable_prefix_caching,
+        attention_backend, enforce_eager, compilation_config, tensor_parallel_size,
+        pipeline_parallel_size, seed, device). `distributed_executor_backend="external"`
+        joins ranks that torchrun started (see runtime/launch.py)."""
+        self.engine_config = build_engine_config(model, **engine_args)
+        model_dir = self.engine_config.model_config.model
         self.tokenizer = _load_tokenizer(tokenizer or model_dir)
-        self.llm_engine = LLMEngine(self.engine_config, self.tokenizer)
+        executor = None
+        if self.engine_config.parallel_config.world_size > 1:
+            validate_parallel_config(self.engine_config)
+            external = distributed_executor_backend == "external"
+            executor = MultiprocExecutor(self.engine_config, external=external)
+        try:
+            self.llm_engine = LLMEngine(self.engine_config, self.tokenizer, executor)
+        except BaseException:
+            if executor is not None:
+                executor.shutdown(force=True)
+            raise
+        self._finalizer = weakref.finalize(self, self.llm_engine.executor.shutdown)
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (if any). Also runs when the LLM is garbage collected."""
+        self._finalizer()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -228,6 +202,59 @@ class LLM:
             num_cached_tokens=first.num_cached_tokens,
         )
         return RequestOutput(rid, prompt, tokens, outputs, True, metrics)
+
+
+def build_engine_config(
+    model: str | None = None,
+    *,
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    kv_cache_memory: int | None = None,
+    enable_prefix_caching: bool = True,
+    attention_backend: str = "auto",
+    enforce_eager: bool = False,
+    compilation_config: CompilationConfig | dict | None = None,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    seed: int = 0,
+    device: str | None = None,
+) -> EngineConfig:
+    """The engine config for a model folder (None: the embedded default model)."""
+    model_dir = Path(model) if model is not None else ensure_default_model()
+    hf_config = load_hf_config(model_dir)
+    archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+    try:
+        resolve_model_class(archs[0])
+    except ValueError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from None
+    compilation = CompilationConfig.from_any(compilation_config)
+    if enforce_eager:
+        compilation.mode = "none"
+    device_obj = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if compilation.cudagraph_capture_sizes is None and device_obj.type == "cuda":
+        compilation.cudagraph_capture_sizes = default_capture_sizes(max_num_batched_tokens)
+    return EngineConfig(
+        model_config=ModelConfig(
+            model=str(model_dir),
+            hf_config=hf_config,
+            dtype=resolve_dtype(dtype, checkpoint_dtype(hf_config)),
+            max_model_len=max_model_len or hf_config.max_position_embeddings,
+            seed=seed,
+        ),
+        cache_config=CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend,
+        ),
+        scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
+        compilation_config=compilation,
+        device=device_obj,
+    )
 
 
 def _prompt_text(prompt: PromptType) -> str | None:

@@ -1,18 +1,24 @@
-"""Runs one scheduled step on the model: fills persistent input buffers, builds the
-attention metadata, sets the forward context, and computes logits only for the rows
-that sample."""
+"""Runs one scheduled step on the model.
+
+`plan` turns the scheduler's choice into plain lists (token ids, positions, slots, block
+tables): what the driver broadcasts to the other ranks. `execute` writes a plan into
+persistent buffers, builds the attention metadata, sets the forward context, runs this
+rank's pipeline stage (receiving and sending hidden states between stages), and computes
+logits only for the rows that sample.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from compilecore.config import EngineConfig
 from compilecore.forward_context import set_forward_context
+from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
@@ -21,12 +27,46 @@ logger = logging.getLogger("compilecore")
 
 
 @dataclass
-class StepInputs:
-    order: list[ScheduledRequest]  # rows of the batch: decodes first
-    num_tokens: int
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # last new token of each sequence that samples
-    sampling: list[ScheduledRequest]
+class StepPlan:
+    """One step as plain data (sent to every rank). Rows that decode come first."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_starts: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    num_decodes: int = 0
+    logits_rows: list[int] = field(default_factory=list)  # last token of each sampling row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
+
+
+def plan_step(
+    out: SchedulerOutput, block_manager: BlockManager
+) -> tuple[StepPlan, list[ScheduledRequest]]:
+    """The step's plan, and the scheduled requests whose rows sample (in logits order)."""
+    order = [s for s in out.scheduled if s.num_new_tokens == 1]
+    plan = StepPlan(num_decodes=len(order))
+    order += [s for s in out.scheduled if s.num_new_tokens != 1]
+    bs = block_manager.block_size
+    sampling = []
+    for s in order:
+        req, begin = s.request, s.request.num_computed_tokens
+        end = begin + s.num_new_tokens
+        table = block_manager.block_table(req.request_id)
+        plan.token_ids += req.all_token_ids[begin:end]
+        plan.positions += range(begin, end)
+        plan.slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
+        plan.query_starts.append(plan.query_starts[-1] + s.num_new_tokens)
+        plan.seq_lens.append(end)
+        plan.block_tables.append(list(table))
+        if s.samples:
+            plan.logits_rows.append(plan.query_starts[-1] - 1)
+            sampling.append(s)
+    return plan, sampling
 
 
 class ModelRunner:
@@ -35,21 +75,20 @@ class ModelRunner:
         self.model = model
         self.attn_backend = attn_backend
         self.device = engine_config.device
+        self.dtype = engine_config.model_config.dtype
         self.block_size = engine_config.cache_config.block_size
         max_tokens = engine_config.scheduler_config.max_num_batched_tokens
-        # Persistent buffers: the compiled graph (and CUDA graphs) read them in place.
-        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        # Attention metadata lives in persistent buffers too: kernels read them on the device
-        # (no host sync), and their addresses never change between steps.
         max_seqs = engine_config.scheduler_config.max_num_seqs
         max_blocks = -(-engine_config.model_config.max_model_len // self.block_size)
-        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=torch.int32, device=self.device)
-        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)
-        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
-        self.block_table = torch.zeros(
-            (max_seqs, max_blocks), dtype=torch.int32, device=self.device
-        )
+        # Persistent buffers: the compiled pieces (and CUDA graphs) read inputs in place, and
+        # attention kernels read metadata on the device (no host sync, fixed addresses).
+        dev, i32 = self.device, torch.int32
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=dev)
+        self.query_start_loc = torch.zeros(max_seqs + 1, dtype=i32, device=dev)
+        self.seq_lens = torch.zeros(max_seqs, dtype=i32, device=dev)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
+        self.block_table = torch.zeros((max_seqs, max_blocks), dtype=i32, device=dev)
         self.kv_caches: list[torch.Tensor] = []
         cc = engine_config.compilation_config
         graphs = self.device.type == "cuda" and cc.mode != "none"
@@ -60,68 +99,19 @@ class ModelRunner:
         return self.config.compilation_config.static_forward_context
 
     def kv_cache_bytes_per_block(self) -> int:
-        dtype_size = torch.empty((), dtype=self.config.model_config.dtype).element_size()
+        dtype_size = torch.empty((), dtype=self.dtype).element_size()
         return sum(
             2 * self.block_size * layer.num_kv_heads * layer.head_size * dtype_size
             for layer in self.attention_layers.values()
         )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        dtype = self.config.model_config.dtype
         self.kv_caches = []
         for layer in self.attention_layers.values():
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.bind(self.attn_backend, cache)
             self.kv_caches.append(cache)
-
-    def prepare(self, out: SchedulerOutput, block_manager: BlockManager) -> StepInputs:
-        order = [s for s in out.scheduled if s.num_new_tokens == 1]
-        num_decodes = len(order)
-        order += [s for s in out.scheduled if s.num_new_tokens != 1]
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, seq_lens, tables, logits_rows, sampling = [0], [], [], [], []
-        for s in order:
-            req, begin = s.request, s.request.num_computed_tokens
-            end = begin + s.num_new_tokens
-            table = block_manager.block_table(req.request_id)
-            ids += req.all_token_ids[begin:end]
-            positions += range(begin, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
-            starts.append(starts[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(table)
-            if s.samples:
-                logits_rows.append(starts[-1] - 1)
-                sampling.append(s)
-        n, b = starts[-1], len(order)
-        self.input_ids[:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
-        self.query_start_loc[: b + 1].copy_(torch.tensor(starts, dtype=torch.int32))
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens, dtype=torch.int32))
-        self.slot_mapping[:n].copy_(torch.tensor(slots, dtype=torch.int64))
-        width = max(len(t) for t in tables)
-        table_rows = torch.zeros((b, width), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table_rows[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.block_table[:b, :width].copy_(table_rows)
-        meta = AttentionMetadata(
-            num_actual_tokens=n,
-            query_start_loc=self.query_start_loc[: b + 1],
-            seq_lens=self.seq_lens[:b],
-            slot_mapping=self.slot_mapping[:n],
-            block_table=self.block_table[:b],
-            max_query_len=max(s.num_new_tokens for s in order),
-            max_seq_len=max(seq_lens),
-            num_decodes=num_decodes,
-            query_start_loc_cpu=starts,
-            seq_lens_cpu=seq_lens,
-        )
-        indices = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        return StepInputs(order, n, meta, indices, sampling)
 
     def padded_size(self, num_tokens: int) -> int:
         """CUDA graphs replay at fixed sizes: pad up to the next one (eager above)."""
@@ -130,30 +120,84 @@ class ModelRunner:
                 return size
         return num_tokens
 
-    @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [len(inputs.sampling), vocab] for the rows that sample."""
-        n = inputs.num_tokens
+    def _load(self, plan: StepPlan) -> tuple[int, AttentionMetadata]:
+        n, b = plan.num_tokens, len(plan.seq_lens)
         padded = self.padded_size(n)
-        if padded > n:  # padding rows: token 0 at position 0, written nowhere in the cache
-            self.input_ids[n:padded].zero_()
-            self.positions[n:padded].zero_()
-        with set_forward_context(inputs.attn_metadata, self.config):
-            hidden = self.model(self.input_ids[:padded], self.positions[:padded])
-        if not inputs.sampling:
-            return hidden.new_empty((0, 0))
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        # Padding rows: token 0 at position 0, slot -1 (written nowhere in the cache).
+        self.input_ids[:padded].copy_(torch.tensor(plan.token_ids + [0] * (padded - n)))
+        self.positions[:padded].copy_(torch.tensor(plan.positions + [0] * (padded - n)))
+        self.query_start_loc[: b + 1].copy_(torch.tensor(plan.query_starts, dtype=torch.int32))
+        self.seq_lens[:b].copy_(torch.tensor(plan.seq_lens, dtype=torch.int32))
+        self.slot_mapping[:n].copy_(torch.tensor(plan.slots, dtype=torch.int64))
+        width = max(len(t) for t in plan.block_tables)
+        rows = torch.zeros((b, width), dtype=torch.int32)
+        for i, t in enumerate(plan.block_tables):
+            rows[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.block_table[:b, :width].copy_(rows)
+        meta = AttentionMetadata(
+            num_actual_tokens=n,
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            slot_mapping=self.slot_mapping[:n],
+            block_table=self.block_table[:b],
+            max_query_len=max(e - s for s, e in zip(plan.query_starts, plan.query_starts[1:])),
+            max_seq_len=max(plan.seq_lens),
+            num_decodes=plan.num_decodes,
+            query_start_loc_cpu=plan.query_starts,
+            seq_lens_cpu=plan.seq_lens,
+        )
+        return padded, meta
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run this rank's stage. Returns logits [len(plan.logits_rows), vocab] on global
+        rank 0 (the driver), None elsewhere."""
+        padded, meta = self._load(plan)
+        pp = get_pp_group()
+        inputs = None
+        if not pp.is_first_rank:  # hidden states and residual from the stage before
+            inputs = self.model.make_empty_intermediate_tensors(padded, self.dtype, self.device)
+            pp.recv_tensors(inputs.tensors, src=pp.rank_in_group - 1)
+        with set_forward_context(meta, self.config):
+            out = self.model(self.input_ids[:padded], self.positions[:padded], inputs)
+        if not pp.is_last_rank:
+            pp.send_tensors(out.tensors, dst=pp.rank_in_group + 1)
+            return self._logits_from_last_stage(plan) if world_rank() == 0 else None
+        if not plan.logits_rows:
+            return None
+        rows = torch.tensor(plan.logits_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(out[rows])
+        if world_rank() != 0 and get_tp_group().is_first_rank and pp.world_size > 1:
+            pp.send_tensors({"logits": logits}, dst=0)
+        return logits if world_rank() == 0 else None
+
+    def _logits_from_last_stage(self, plan: StepPlan) -> torch.Tensor | None:
+        if not plan.logits_rows:
+            return None
+        vocab = self.config.model_config.hf_config.vocab_size
+        logits = {
+            "logits": torch.empty(
+                len(plan.logits_rows), vocab, dtype=self.dtype, device=self.device
+            )
+        }
+        pp = get_pp_group()
+        pp.recv_tensors(logits, src=pp.world_size - 1)
+        return logits["logits"]
 
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile (or load from the cache) before serving; returns the seconds spent.
-        Attention sees no metadata and writes nothing."""
+        Attention sees no metadata and writes nothing; each pipeline stage compiles on
+        zeros of its own, without talking to the others."""
         if self.config.compilation_config.mode == "none":
             return 0.0
         start = time.perf_counter()
         n = min(16, self.input_ids.shape[0])
+        inputs = None
+        if not get_pp_group().is_first_rank:
+            inputs = self.model.make_empty_intermediate_tensors(n, self.dtype, self.device)
         with set_forward_context(None, self.config):
-            self.model(self.input_ids[:n], self.positions[:n])
+            self.model(self.input_ids[:n], self.positions[:n], inputs)
         return time.perf_counter() - start
 
     @torch.inference_mode()
@@ -164,9 +208,12 @@ class ModelRunner:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         for size in sorted(self.capture_sizes, reverse=True):
-            meta = self._dummy_decode_metadata(size)
+            meta = self._dummy_metadata(size)
+            inputs = None
+            if not get_pp_group().is_first_rank:
+                inputs = self.model.make_empty_intermediate_tensors(size, self.dtype, self.device)
             with set_forward_context(meta, self.config, capturing=True):
-                self.model(self.input_ids[:size], self.positions[:size])
+                self.model(self.input_ids[:size], self.positions[:size], inputs)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(
@@ -176,17 +223,21 @@ class ModelRunner:
             used / 2**20,
         )
 
-    def _dummy_decode_metadata(self, n: int) -> AttentionMetadata:
-        dev = self.device
+    def _dummy_metadata(self, n: int) -> AttentionMetadata:
+        """One sequence of n new tokens over block 0, writing nowhere: shapes for capture."""
+        self.query_start_loc[:2].copy_(torch.tensor([0, n], dtype=torch.int32))
+        self.seq_lens[:1].fill_(n)
+        self.slot_mapping[:n].fill_(-1)
+        self.block_table[:1].zero_()
         return AttentionMetadata(
             num_actual_tokens=n,
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
-            block_table=torch.zeros((n, 1), dtype=torch.int32, device=dev),
-            max_query_len=1,
-            max_seq_len=1,
-            num_decodes=n,
-            query_start_loc_cpu=list(range(n + 1)),
-            seq_lens_cpu=[1] * n,
+            query_start_loc=self.query_start_loc[:2],
+            seq_lens=self.seq_lens[:1],
+            slot_mapping=self.slot_mapping[:n],
+            block_table=self.block_table[:1],
+            max_query_len=n,
+            max_seq_len=n,
+            num_decodes=1 if n == 1 else 0,
+            query_start_loc_cpu=[0, n],
+            seq_lens_cpu=[n],
         )

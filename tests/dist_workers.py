@@ -51,3 +51,10 @@ def allreduce_fusion_worker(rank: int, world_size: int, port: int, out_dir: str)
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+class NoPPForCausalLM(torch.nn.Module):
+    """A registered architecture that does not declare SupportsPP."""
+
+    def __init__(self, *, engine_config, prefix: str = ""):
+        super().__init__()

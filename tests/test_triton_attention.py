@@ -70,7 +70,7 @@ def test_engine_greedy_triton_equals_torch(tiny_llama):
 
 
 def test_forcing_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypatch):
-    from runtime.engine import select_attention_backend
+    from runtime.worker import select_attention_backend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if torch.cuda.is_available():
