@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import gc
+import json
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from runtime import LLM, SamplingParams
 
 PROMPT_37 = list(range(100, 137))  # a 37-token prompt
+RESULTS = Path(__file__).parent / "results"
 
 
 def decode_speed(llm: LLM, prompt: list[int], tokens: int, repeats: int) -> float:
@@ -22,6 +26,27 @@ def decode_speed(llm: LLM, prompt: list[int], tokens: int, repeats: int) -> floa
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         speeds.append(out.metrics.decode_tokens_per_s)
     return sorted(speeds)[len(speeds) // 2]
+
+
+def copy_bandwidth(device: str = "cpu", nbytes: int = 512 << 20) -> float:
+    """GB/s read by a large copy (bytes read; the same bytes are also written)."""
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return 5 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def weight_bytes(llm: LLM) -> int:
+    model = llm.llm_engine.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def compare(variants: dict[str, dict], measure: Callable[[LLM], float], **llm_kwargs) -> dict:
@@ -44,3 +69,51 @@ def print_table(results: dict, title: str, baseline: str) -> None:
     print(f"| variant | tok/s | vs {baseline} | start-up s |\n|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['startup_s']:.1f} |")
+
+
+def machine() -> dict:
+    return {
+        "processor": platform.processor() or platform.machine(),
+        "cpus": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def save_results(
+    name: str,
+    rows: list[dict],
+    columns: list[str],
+    title: str,
+    out_dir: Path = RESULTS,
+    chart_key: str | None = None,
+) -> Path:
+    """JSON + a markdown table (+ a PNG bar chart when matplotlib is installed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"title": title, "machine": machine(), "rows": rows}
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    lines = [f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [
+            f"{row.get(c):.2f}" if isinstance(row.get(c), float) else str(row.get(c, ""))
+            for c in columns
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    (out_dir / f"{name}.md").write_text("\n".join(lines) + "\n")
+    if chart_key:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed: no chart (pip install matplotlib)")
+        else:
+            fig, ax = plt.subplots(figsize=(7, 3))
+            ax.barh([r[columns[0]] for r in rows], [r.get(chart_key) or 0 for r in rows])
+            ax.set_xlabel(chart_key)
+            ax.set_title(title)
+            fig.tight_layout()
+            fig.savefig(out_dir / f"{name}.png")
+    print("\n".join(lines))
+    return out_dir / f"{name}.json"

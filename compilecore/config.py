@@ -145,7 +145,10 @@ class CompilationConfig:
     splitting_ops: list[str] = field(
         default_factory=lambda: ["compilecore::unified_attention_with_output"]
     )
-    compile_sizes: list[int] = field(default_factory=list)
+    # Token counts that get code of their own besides the symbolic-size code. None: the
+    # device's default ([1] on CPU: batch-1 decode, where static shapes let the GEMV pass
+    # run; [] on CUDA, where CUDA graphs cover small batches).
+    compile_sizes: list[int] | None = None
     cudagraph_capture_sizes: list[int] | None = None
     cache_dir: str | None = None
     debug_dump_path: str | None = None
@@ -164,7 +167,7 @@ class CompilationConfig:
             raise ValueError(
                 f"compilation_config.mode must be 'none' or 'piecewise', got {self.mode!r}"
             )
-        for size in self.compile_sizes:
+        for size in self.compile_sizes or []:
             if size < 1:
                 raise ValueError(f"compilation_config.compile_sizes must be >= 1, got {size}")
 
@@ -196,6 +199,9 @@ class EngineConfig:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def __post_init__(self) -> None:
+        cc = self.compilation_config
+        if cc.compile_sizes is None:
+            cc.compile_sizes = [1] if self.device.type == "cpu" else []
         sched, model = self.scheduler_config, self.model_config
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.max_model_len:
             raise ValueError(

@@ -289,7 +289,10 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
             if getattr(config, "tie_word_embeddings", False):
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
             self.logits_processor = LogitsProcessor(
-                config.vocab_size, scale=getattr(config, "logit_scale", 1.0)
+                config.vocab_size,
+                scale=getattr(config, "logit_scale", 1.0),
+                small_batch_gemv=engine_config.device.type == "cpu"
+                and engine_config.compilation_config.mode != "none",
             )
         else:
             self.lm_head = PPMissingLayer()

@@ -9,8 +9,18 @@ from dataclasses import dataclass, field
 # own fusion on that device (benchmarks/pass_ablation.py). On CPU the fused ops run their
 # torch reference as an opaque call, which Inductor's generated C++ loops beat.
 DEVICE_DEFAULTS = {
-    "cpu": {"fuse_add_rms_norm": False, "fuse_qkv_rope": False, "fuse_allreduce_rms_norm": False},
-    "cuda": {"fuse_add_rms_norm": False, "fuse_qkv_rope": False, "fuse_allreduce_rms_norm": False},
+    "cpu": {
+        "fuse_add_rms_norm": False,
+        "fuse_qkv_rope": False,
+        "fuse_allreduce_rms_norm": False,
+        "gemv_to_reduction": True,
+    },
+    "cuda": {
+        "fuse_add_rms_norm": False,
+        "fuse_qkv_rope": False,
+        "fuse_allreduce_rms_norm": False,
+        "gemv_to_reduction": False,
+    },
 }
 
 
@@ -19,6 +29,8 @@ class PassConfig:
     fuse_add_rms_norm: bool | None = None  # None: the device's default
     fuse_qkv_rope: bool | None = None
     fuse_allreduce_rms_norm: bool | None = None
+    # Small static-M GEMMs as vectorized reductions (pieces compiled for compile_sizes).
+    gemv_to_reduction: bool | None = None
     # Run each piece's graph before and after every pass on random inputs and compare.
     verify: bool = False
 

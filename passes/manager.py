@@ -56,6 +56,10 @@ def build_passes(switches: dict[str, bool], context: PassContext) -> list[GraphP
         from passes.fuse_add_rms_norm import AddRMSNormFusionPass
 
         passes.append(AddRMSNormFusionPass())
+    if switches["gemv_to_reduction"]:
+        from passes.gemv_to_reduction import GemvToReductionPass
+
+        passes.append(GemvToReductionPass())
     if switches["fuse_qkv_rope"] and context.attention_shapes:
         from passes.fuse_qkv_rope import QKVRoPEFusionPass
 

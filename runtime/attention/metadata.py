@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,8 @@ class AttentionMetadata:
     # Host copies, so CPU-side loops never synchronise with the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Per-step values a backend derives once and every layer reuses (gather indices, masks).
+    cache: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:

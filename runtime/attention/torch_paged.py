@@ -3,9 +3,14 @@
 New K/V rows go into the cache by slot mapping; each query then attends over its
 sequence's cached prefix plus the causal part of the new tokens. Decode rows (one new
 token each) run as one batched call; prefill chunks run per sequence.
+
+Every layer of a step reads the same block tables, so the cache slots to gather (and the
+masks) are worked out once per step, on the first layer, and kept on the metadata.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,18 +29,59 @@ def write_kv_cache(
     kv_cache[1].view(nb * bs, kvh, d)[slots] = v.reshape(-1, kvh, d)[valid]
 
 
-def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `num_tokens` K and V rows of sequences given by block tables [..., n_blocks]
-    -> [..., kv_heads, num_tokens, head_size]."""
-    _, _, bs, kvh, d = kv_cache.shape
-    n_blocks = -(-num_tokens // bs)
-    table = block_table[..., :n_blocks].long()
-    lead = table.shape[:-1]
-    k = kv_cache[0][table].reshape(*lead, n_blocks * bs, kvh, d)[..., :num_tokens, :, :]
-    v = kv_cache[1][table].reshape(*lead, n_blocks * bs, kvh, d)[..., :num_tokens, :, :]
+def token_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
+    """Cache slots of the first `num_tokens` tokens of sequences [..., n_blocks]
+    -> [..., num_tokens]."""
+    pos = torch.arange(num_tokens, device=block_table.device)
+    return block_table[..., pos // block_size].long() * block_size + pos % block_size
+
+
+def gather_slots(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _, nb, bs, kvh, d = kv_cache.shape
+    flat = slots.reshape(-1)
+    k = kv_cache[0].view(nb * bs, kvh, d).index_select(0, flat).view(*slots.shape, kvh, d)
+    v = kv_cache[1].view(nb * bs, kvh, d).index_select(0, flat).view(*slots.shape, kvh, d)
     return k.transpose(-3, -2), v.transpose(-3, -2)
+
+
+FP32_DECODE_MAX_LEN = 1024
+
+
+@dataclass
+class _StepPlan:
+    """What every layer of one step gathers (built on the first layer)."""
+
+    slots_valid: bool
+    decode_slots: torch.Tensor | None  # [num_decodes, max_len]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] or None (one sequence)
+    decode_bias: torch.Tensor | None  # the same as 0 / -inf, for adding to scores
+    prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # start, end, slots, mask
+
+
+def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    n, nd = meta.num_actual_tokens, meta.num_decodes
+    slots_valid = bool((meta.slot_mapping[:n] >= 0).all()) if n else True
+    decode_slots = decode_mask = decode_bias = None
+    if nd:
+        lens = meta.seq_lens_cpu[:nd]
+        decode_slots = token_slots(meta.block_table[:nd], max(lens), block_size)
+        if nd > 1:
+            valid = torch.arange(max(lens), device=decode_slots.device) < meta.seq_lens[:nd, None]
+            decode_mask = valid[:, None, None, :]
+            decode_bias = torch.zeros(decode_mask.shape, device=valid.device).masked_fill(
+                ~decode_mask, float("-inf")
+            )
+    prefill = []
+    starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    for i in range(nd, meta.num_seqs):
+        s, e, seq_len = starts[i], starts[i + 1], lens[i]
+        slots = token_slots(meta.block_table[i], seq_len, block_size)
+        mask = None
+        if seq_len != e - s:  # a cached prefix: query j sits at position seq_len - (e - s) + j
+            q_pos = torch.arange(seq_len - (e - s), seq_len, device=slots.device)
+            mask = torch.arange(seq_len, device=slots.device)[None, :] <= q_pos[:, None]
+        prefill.append((s, e, slots, mask))
+    return _StepPlan(slots_valid, decode_slots, decode_mask, decode_bias, prefill)
 
 
 class TorchPagedAttentionBackend:
@@ -47,27 +93,46 @@ class TorchPagedAttentionBackend:
             output.zero_()
             return
         kv_cache = layer.kv_cache
+        plan = meta.cache.get("torch_paged")
+        if plan is None:
+            plan = meta.cache["torch_paged"] = _plan(meta, kv_cache.shape[2])
         h, d = layer.num_heads, layer.head_size
-        n = meta.num_actual_tokens
-        write_kv_cache(kv_cache, k[:n], v[:n], meta.slot_mapping[:n])
-        nd = meta.num_decodes
+        n, nd = meta.num_actual_tokens, meta.num_decodes
+        if plan.slots_valid:
+            _, nb, bs, kvh, _ = kv_cache.shape
+            slots = meta.slot_mapping[:n]
+            kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, slots, k[:n].reshape(n, kvh, d))
+            kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slots, v[:n].reshape(n, kvh, d))
+        else:
+            write_kv_cache(kv_cache, k[:n], v[:n], meta.slot_mapping[:n])
         if nd:
-            self._decode(layer, q[:nd], output, meta, kv_cache)
-        starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        for i in range(nd, meta.num_seqs):
-            s, e, seq_len = starts[i], starts[i + 1], lens[i]
-            ks, vs = gather_kv(kv_cache, meta.block_table[i], seq_len)
+            ks, vs = gather_slots(kv_cache, plan.decode_slots)  # [nd, KV, L, D]
+            output[:nd] = self._decode(q[:nd].reshape(nd, h, 1, d), ks, vs, layer.scale, plan)
+        for s, e, slots, mask in plan.prefill:
+            ks, vs = gather_slots(kv_cache, slots)
             qs = q[s:e].reshape(e - s, h, d).transpose(0, 1)
-            # Query j (of q_len new tokens) sits at position seq_len - q_len + j.
-            q_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            out = sdpa(qs, ks, vs, layer.scale, attn_mask=mask)
+            if mask is None:  # a whole prompt: plain causal, SDPA's fast path
+                out = sdpa(qs, ks, vs, layer.scale, is_causal=True)
+            else:
+                out = sdpa(qs, ks, vs, layer.scale, attn_mask=mask)
             output[s:e] = out.transpose(0, 1).reshape(e - s, h * d)
 
-    def _decode(self, layer, q, output, meta: AttentionMetadata, kv_cache) -> None:
-        nd, h, d = q.shape[0], layer.num_heads, layer.head_size
-        max_len = max(meta.seq_lens_cpu[:nd])
-        ks, vs = gather_kv(kv_cache, meta.block_table[:nd], max_len)  # [nd, KV, L, D]
-        mask = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:nd, None]
-        out = sdpa(q.reshape(nd, h, 1, d), ks, vs, layer.scale, attn_mask=mask[:, None, None, :])
-        output[:nd] = out.reshape(nd, h * d)
+    @staticmethod
+    def _decode(q, k, v, scale: float, plan: _StepPlan) -> torch.Tensor:
+        """One query token per sequence: q [nd, H, 1, D], k/v [nd, KV, L, D] -> [nd, H * D].
+
+        On CPU, SDPA is slow here in 16 bits with a mask (its math path, 12x the time of
+        the two batched matmuls below at 32 x 400 tokens), and for a single sequence in 16
+        bits it is fastest in fp32 (benchmarks/NOTES.md)."""
+        nd, h, _, d = q.shape
+        kvh = k.shape[1]
+        if plan.decode_mask is None:  # one sequence, no padding
+            if q.dtype != torch.float32 and k.shape[-2] <= FP32_DECODE_MAX_LEN:
+                out = sdpa(q.float(), k.float(), v.float(), scale).to(q.dtype)
+            else:
+                out = sdpa(q, k, v, scale)
+            return out.reshape(nd, h * d)
+        groups = q.view(nd, kvh, h // kvh, d)  # query heads that share a KV head
+        scores = torch.matmul(groups, k.transpose(-1, -2)).float() * scale + plan.decode_bias
+        probs = scores.softmax(-1).to(q.dtype)
+        return torch.matmul(probs, v).reshape(nd, h * d)

@@ -1,0 +1,67 @@
+"""The benchmark scripts run on a tiny model (a smoke run) and write well-formed results.
+No timing is asserted: speed is measured by running them, not by tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+BENCH = Path(__file__).parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check(path: Path, engines: int) -> dict:
+    data = json.loads(path.read_text())
+    assert data["title"] and data["machine"]["torch"]
+    assert len(data["rows"]) == engines
+    assert path.with_suffix(".md").read_text().startswith("### ")
+    return data
+
+
+def _args(tiny_llama, tmp_path, *extra: str) -> list[str]:
+    return [
+        "--model",
+        str(tiny_llama[0]),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--out",
+        str(tmp_path),
+        *extra,
+    ]
+
+
+def test_latency_smoke(tiny_llama, tmp_path):
+    out = _load("bench_latency").main(
+        _args(tiny_llama, tmp_path, "--tokens", "4", "--repeats", "1")
+    )
+    rows = _check(out, 3)["rows"]
+    assert {r["engine"] for r in rows} == {"compilecore eager", "compilecore compiled", "HF eager"}
+    assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in rows)
+
+
+def test_throughput_smoke(tiny_llama, tmp_path):
+    extra = ["--requests", "4", "--min-len", "3", "--max-len", "6", "--hf-batch", "2"]
+    out = _load("bench_throughput").main(_args(tiny_llama, tmp_path, *extra))
+    rows = _check(out, 2)["rows"]
+    assert all(r["tok_s"] > 0 and "vs_HF" in r for r in rows)
+
+
+def test_startup_smoke(tiny_llama, tmp_path):
+    out = _load("bench_startup").main(_args(tiny_llama, tmp_path))
+    cold, warm = _check(out, 2)["rows"]
+    assert cold["inductor_compiles"] > 0 and cold["cache_hits"] == 0
+    assert warm["inductor_compiles"] == 0 and warm["cache_hits"] > 0
