@@ -54,6 +54,7 @@ class SillyModel(nn.Module):
 
 
 def _silly_config(tmp_path, **compilation) -> EngineConfig:
+    compilation.setdefault("compile_sizes", [])  # only the symbolic-size code, unless asked
     cc = CompilationConfig(
         splitting_ops=["compilecore_test::silly_attention"], cache_dir=str(tmp_path), **compilation
     )
@@ -130,7 +131,7 @@ def _hidden(model, cfg, ids):
 
 
 def test_llama_first_call_traces_once(tiny_llama, tmp_path):
-    cc = CompilationConfig(cache_dir=str(tmp_path))
+    cc = CompilationConfig(cache_dir=str(tmp_path), compile_sizes=[])
     compiled, cfg = load_ours(tiny_llama[0], compilation_config=cc)
     layers = cfg.model_config.hf_config.num_hidden_layers
     with compilation_counter.expect(

@@ -193,3 +193,36 @@ def test_uuid_changes_when_a_pass_is_edited(tmp_path):
     spec.loader.exec_module(module)
     assert module.AddRMSNormFusionPass().uuid() != AddRMSNormFusionPass().uuid()
     assert AddRMSNormFusionPass().uuid() == AddRMSNormFusionPass().uuid()
+
+
+class LinearToy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(48, 32) * 0.2)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.w).relu()
+
+
+@pytest.mark.parametrize("rows, fused", [(1, True), (4, True), (8, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_to_reduction_only_for_small_static_batches(rows, fused, dtype):
+    from passes.gemv_to_reduction import GemvToReductionPass
+
+    torch._dynamo.reset()
+    module = LinearToy().to(dtype)
+    backend = PassTestBackend(GemvToReductionPass(max_m=4))
+    got, want = _run(module, backend, torch.randn(rows, 32, dtype=dtype), dynamic=False)
+    assert count_ops(backend.graph_before, aten.mm) == 1
+    assert count_ops(backend.graph_after, aten.mm) == (0 if fused else 1)
+    assert count_ops(backend.graph_after, aten.sum) == (1 if fused else 0)
+    _close(got, want, dtype)
+
+
+def test_gemv_to_reduction_leaves_symbolic_batches_alone():
+    from passes.gemv_to_reduction import GemvToReductionPass
+
+    torch._dynamo.reset()
+    backend = PassTestBackend(GemvToReductionPass(max_m=4))
+    _run(LinearToy(), backend, torch.randn(1, 32), dynamic=True)  # unbacked batch size
+    assert backend.matches("gemv_to_reduction") == 0
