@@ -18,6 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 class GraphPass:
     name = "graph_pass"
+    # Other modules whose source shapes what the pass matches or emits (pattern math).
+    depends_on: tuple[str, ...] = ()
 
     def __call__(self, graph: fx.Graph) -> int:
         raise NotImplementedError
@@ -27,9 +29,10 @@ class GraphPass:
 
     def uuid(self) -> str:
         h = hashlib.sha256()
-        for cls in type(self).__mro__:  # the source of every module the pass is made of
-            module = sys.modules.get(cls.__module__)
-            if module is None or cls.__module__.split(".")[0] in ("builtins", "torch"):
+        names = [cls.__module__ for cls in type(self).__mro__] + list(self.depends_on)
+        for name in dict.fromkeys(names):  # the source of every module the pass is made of
+            module = sys.modules.get(name)
+            if module is None or name.split(".")[0] in ("builtins", "torch"):
                 continue
             h.update(inspect.getsource(module).encode())
         h.update(json.dumps(self.config(), sort_keys=True, default=str).encode())

@@ -38,17 +38,24 @@ def _replace(x, residual, weight, eps):
     return out[0], out[1]
 
 
+def register_norm_patterns(search, replace, patterns) -> None:
+    """Register a (x, residual, weight, eps) -> (out, new_residual) pattern for every
+    dtype, with eps matched as any value."""
+    for dtype in PATTERN_DTYPES:
+        x, residual, weight = (torch.empty(4, 16, dtype=dtype) for _ in range(3))
+        register_replacement(
+            search,
+            replace,
+            [x, residual, weight[0]],
+            trace_pattern,
+            patterns,
+            scalar_workaround={"eps": _EPS_PLACEHOLDER},
+        )
+
+
 class AddRMSNormFusionPass(PatternPass):
     name = "fuse_add_rms_norm"
+    depends_on = ("passes.ops.add_rms_norm",)
 
     def register(self) -> None:
-        for dtype in PATTERN_DTYPES:
-            x, residual, weight = (torch.empty(4, 16, dtype=dtype) for _ in range(3))
-            register_replacement(
-                _search,
-                _replace,
-                [x, residual, weight[0]],
-                trace_pattern,
-                self.patterns,
-                scalar_workaround={"eps": _EPS_PLACEHOLDER},
-            )
+        register_norm_patterns(_search, _replace, self.patterns)

@@ -19,16 +19,15 @@ including the final norm).
 from __future__ import annotations
 
 import torch
-from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import PATTERN_DTYPES, PatternPass, trace_pattern
+from passes.base import PatternPass
+from passes.fuse_add_rms_norm import register_norm_patterns
 from passes.ops.add_rms_norm import fused_add_rms_norm_ref
-
-_EPS_PLACEHOLDER = 1.2345e-7
 
 
 class AllReduceRMSNormFusionPass(PatternPass):
     name = "fuse_allreduce_rms_norm"
+    depends_on = ("passes.fuse_add_rms_norm", "passes.ops.add_rms_norm")
 
     def __init__(self, group_name: str):
         self.group_name = group_name
@@ -51,13 +50,4 @@ class AllReduceRMSNormFusionPass(PatternPass):
             out = op(x, residual, weight, eps, group)
             return out[0], out[1]
 
-        for dtype in PATTERN_DTYPES:
-            x, residual, weight = (torch.empty(4, 16, dtype=dtype) for _ in range(3))
-            register_replacement(
-                search,
-                replace,
-                [x, residual, weight[0]],
-                trace_pattern,
-                self.patterns,
-                scalar_workaround={"eps": _EPS_PLACEHOLDER},
-            )
+        register_norm_patterns(search, replace, self.patterns)

@@ -43,6 +43,7 @@ def _make(shape: AttentionShape):
 
 class QKVRoPEFusionPass(PatternPass):
     name = "fuse_qkv_rope"
+    depends_on = ("passes.ops.qkv_rope",)
 
     def __init__(self, shapes: list[AttentionShape]):
         self.shapes = sorted(set(shapes), key=lambda s: (s.num_heads, s.num_kv_heads, s.head_dim))

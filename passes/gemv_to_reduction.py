@@ -37,6 +37,7 @@ def _replace(x, w):
 
 class GemvToReductionPass(PatternPass):
     name = "gemv_to_reduction"
+    depends_on = ("passes.ops.gemv",)
 
     def __init__(self, max_m: int = 4):
         self.max_m = max_m
