@@ -133,6 +133,29 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0 if diff.equal else 1
 
 
+BENCHMARKS = {
+    "latency": "bench_latency.py",
+    "throughput": "bench_throughput.py",
+    "startup": "bench_startup.py",
+    "passes": "pass_ablation.py",
+    "compile-options": "compile_options.py",
+    "gpu": "bench_gpu.py",
+}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    # The benchmark scripts live in the source checkout, next to the packages.
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / BENCHMARKS[args.which]
+    if not script.is_file():
+        raise ValueError(f"{script} not found: `compilecore bench` runs from a source checkout")
+    sys.argv = [str(script), *args.args]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compilecore",
@@ -197,6 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("b")
     diff.add_argument("--stat", action="store_true", help="the summary only")
     diff.set_defaults(func=cmd_diff)
+
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark (benchmarks/*.py) side by side with peers",
+        description="Run one of the benchmark scripts; arguments after the "
+        "name go to the script (e.g. `compilecore bench latency "
+        "--tokens 128`). Results land in benchmarks/results/.",
+    )
+    bench.add_argument("which", choices=sorted(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
