@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import platform
@@ -61,6 +62,28 @@ def compare(variants: dict[str, dict], measure: Callable[[LLM], float], **llm_kw
         del llm
         gc.collect()
     return results
+
+
+def decode_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every batch-1 decode comparison takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser
+
+
+def compare_decode(args: argparse.Namespace, variants: dict[str, dict]) -> dict:
+    """Batch-1 decode of the 37-token prompt under each variant, in one process."""
+    return compare(
+        variants,
+        lambda llm: decode_speed(llm, PROMPT_37, args.tokens, args.repeats),
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=1024,
+        kv_cache_memory=64 << 20,
+    )
 
 
 def print_table(results: dict, title: str, baseline: str) -> None:

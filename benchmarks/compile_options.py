@@ -6,12 +6,11 @@ model (or --model) under each variant, side by side in one process, as ratios to
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import PROMPT_37, compare, decode_speed, print_table  # noqa: E402
+from common import compare_decode, decode_parser, print_table  # noqa: E402
 
 AUTOTUNE = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 VARIANTS = {
@@ -27,21 +26,10 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = decode_parser(__doc__)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS))
     args = parser.parse_args()
-    results = compare(
-        {name: VARIANTS[name] for name in args.variants},
-        lambda llm: decode_speed(llm, PROMPT_37, args.tokens, args.repeats),
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=1024,
-        kv_cache_memory=64 << 20,
-    )
+    results = compare_decode(args, {name: VARIANTS[name] for name in args.variants})
     print_table(results, f"batch-1 decode, {args.dtype}", args.variants[0])
 
 

@@ -6,12 +6,11 @@ against Inductor alone, side by side in one process.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import PROMPT_37, compare, decode_speed, print_table  # noqa: E402
+from common import compare_decode, decode_parser, print_table  # noqa: E402
 
 OFF = {"fuse_add_rms_norm": False, "fuse_qkv_rope": False}
 VARIANTS = {
@@ -23,21 +22,9 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = decode_parser(__doc__).parse_args()
     variants = {n: {"compilation_config": {"passes": p}} for n, p in VARIANTS.items()}
-    results = compare(
-        variants,
-        lambda llm: decode_speed(llm, PROMPT_37, args.tokens, args.repeats),
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=1024,
-        kv_cache_memory=64 << 20,
-    )
+    results = compare_decode(args, variants)
     print_table(results, f"pass ablation, batch-1 decode, {args.dtype}", "inductor-alone")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,10 +54,23 @@ def test_latency_smoke(tiny_llama, tmp_path):
     assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in rows)
 
 
-def test_throughput_smoke(tiny_llama, tmp_path):
+def test_throughput_smoke_through_the_cli(tiny_llama, tmp_path):
     extra = ["--requests", "4", "--min-len", "3", "--max-len", "6", "--hf-batch", "2"]
-    out = _load("bench_throughput").main(_args(tiny_llama, tmp_path, *extra))
-    rows = _check(out, 2)["rows"]
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime.cli",
+            "bench",
+            "throughput",
+            *_args(tiny_llama, tmp_path, *extra),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = _check(tmp_path / "throughput.json", 2)["rows"]
     assert all(r["tok_s"] > 0 and "vs_HF" in r for r in rows)
 
 

@@ -49,30 +49,6 @@ def test_bad_arguments_give_a_clear_error(tiny_llama):
     assert res.returncode == 2 and "/no/such/folder" in res.stderr
 
 
-def test_bench_runs_a_benchmark_script(tiny_llama, tmp_path):
-    res = _cli(
-        "bench",
-        "throughput",
-        "--model",
-        str(tiny_llama[0]),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--requests",
-        "2",
-        "--min-len",
-        "3",
-        "--max-len",
-        "4",
-        "--skip-hf",
-        "--out",
-        str(tmp_path),
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert (tmp_path / "throughput.json").is_file()
-
-
 def test_help_explains_the_commands():
     res = _cli("--help")
     assert res.returncode == 0 and "generate" in res.stdout and "chat" in res.stdout
