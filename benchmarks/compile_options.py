@@ -18,6 +18,10 @@ VARIANTS = {
     "piecewise": {},
     "whole-graph": {"compilation_config": {"splitting_ops": []}},
     "piecewise+cpp_wrapper": {"compilation_config": {"inductor_options": {"cpp_wrapper": True}}},
+    "piecewise-size_asserts": {"compilation_config": {"inductor_options": {"size_asserts": False}}},
+    "whole-graph+cpp_wrapper": {
+        "compilation_config": {"splitting_ops": [], "inductor_options": {"cpp_wrapper": True}}
+    },
     "piecewise+max_autotune_gemm": {"compilation_config": {"inductor_options": AUTOTUNE}},
     "whole-graph+max_autotune_gemm": {
         "compilation_config": {"splitting_ops": [], "inductor_options": AUTOTUNE}

@@ -4,8 +4,10 @@ the split module whose generated Python calls the compiled pieces in order."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,11 +19,12 @@ from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import graph_returns_tuple
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from compilecore.compile_cache import CompileCache, cache_factors, cache_key
+from compilecore.compile_cache import CompileCache, cache_factors, cache_key, traced_files
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
 from compilecore.cuda_graph import CUDAGraphWrapper
 from compilecore.dump import dump_root, write_graphs, write_inductor_code
+from compilecore.recipe import ForwardRecipe, NoRecipe, exec_forward, generated_code, graph_inputs
 from compilecore.split import Piece, graph_signature, split_graph
 from passes.manager import PostGradPassManager
 
@@ -92,6 +95,20 @@ class PiecewiseBackend:
         return self.general(*args)
 
 
+class FirstOutputs:
+    """Calls the split module and keeps its first outputs, against which the recipe
+    matches what forward returned."""
+
+    def __init__(self, fn: Callable):
+        self.fn, self.outputs = fn, None
+
+    def __call__(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        if self.outputs is None:
+            self.outputs = list(out)
+        return out
+
+
 class CompilecoreBackend:
     def __init__(self, engine_config: EngineConfig, tag: str, pass_manager: PostGradPassManager):
         self.config = engine_config
@@ -101,6 +118,12 @@ class CompilecoreBackend:
         self.trace_start: float | None = None
         self.split_gm: fx.GraphModule | None = None
         self.pieces: list[Piece] = []
+        self.canonical: dict[str, str] = {}  # piece name -> name of the piece compiled for it
+        self.runnables: dict[str, PiecewiseBackend] = {}  # by that canonical name
+        self.cache_key = ""
+        self.traced_files: list[str] = []
+        self.input_sources: list[str] | NoRecipe = NoRecipe("not traced")
+        self.first: FirstOutputs | None = None
 
     @property
     def must_run_passes(self) -> bool:
@@ -124,7 +147,13 @@ class CompilecoreBackend:
             self.stats.trace_s = start - self.trace_start
         cc = self.config.compilation_config
         self.stats.factors = cache_factors(self.config, gm, self.pass_manager.uuid())
-        cache = CompileCache(self.config, cache_key(self.stats.factors), self.tag)
+        self.cache_key = cache_key(self.stats.factors)
+        self.traced_files = traced_files(gm)
+        try:
+            self.input_sources = graph_inputs(gm)
+        except NoRecipe as e:
+            self.input_sources = e
+        cache = CompileCache(self.config, self.cache_key, self.tag)
         cache.enabled = cache.enabled and not self.must_run_passes
         split_gm, pieces = split_graph(gm, cc.splitting_ops)
         self.split_gm, self.pieces = split_gm, pieces
@@ -135,7 +164,7 @@ class CompilecoreBackend:
 
         fake_mode = detect_fake_mode(example_inputs)
         compiled: dict[str, Callable] = {}  # graph signature -> PiecewiseBackend
-        self.canonical: dict[str, str] = {}  # piece name -> name of the piece compiled for it
+        self.canonical, self.runnables = {}, {}
         self.artifacts: dict[str, Any] = {}  # compiled piece name -> its general artifact
 
         backend = self
@@ -186,7 +215,8 @@ class CompilecoreBackend:
             self.stats.load_s,
             cache.dir,
         )
-        return split_gm
+        self.first = FirstOutputs(split_gm)
+        return self.first
 
     def _all_cached(self, cache: CompileCache, pieces: list[Piece]) -> bool:
         """Whether every artifact this graph needs is in the cache (same naming and
@@ -224,7 +254,7 @@ class CompilecoreBackend:
         if signature in compiled:  # an identical decoder layer: reuse its code
             runnable, canonical = compiled[signature]
             self.canonical[piece.name] = canonical
-            return self._wrap(runnable, piece)
+            return self._wrap(runnable, piece.index)
         self.canonical[piece.name] = f"piece_{piece.index}"
         compilation_counter.num_backend_compilations += 1
         token_dim = _token_dim(args)
@@ -238,10 +268,11 @@ class CompilecoreBackend:
             )
         runnable = PiecewiseBackend(general, by_size, token_dim)
         compiled[signature] = (runnable, f"piece_{piece.index}")
-        return self._wrap(runnable, piece)
+        self.runnables[f"piece_{piece.index}"] = runnable
+        return self._wrap(runnable, piece.index)
 
-    def _wrap(self, runnable: PiecewiseBackend, piece: Piece) -> Callable:
-        wrapper = CUDAGraphWrapper(runnable, self.config, piece.index, runnable.token_dim)
+    def _wrap(self, runnable: PiecewiseBackend, index: int) -> Callable:
+        wrapper = CUDAGraphWrapper(runnable, self.config, index, runnable.token_dim)
         if wrapper.enabled:
             return wrapper
         # No CUDA graphs and no per-size code: call the artifact itself (one less frame
@@ -251,15 +282,11 @@ class CompilecoreBackend:
     def _compile_or_load(
         self, piece: Piece, args: list[Any], name: str, cache: CompileCache, dynamic: bool
     ):
-        t0 = time.perf_counter()
-        artifact = cache.load(name)
+        artifact = self._load(name, graph_returns_tuple(piece.graph), cache)
         if artifact is not None:
             compilation_counter.num_cache_hits += 1
-            self.stats.load_s += time.perf_counter() - t0
-            if graph_returns_tuple(piece.graph):
-                return artifact
-            # A loaded artifact always returns a list; the split module expects the value.
-            return lambda *a, _art=artifact: _art(*a)[0]
+            return artifact
+        t0 = time.perf_counter()
         if cache.enabled:
             compilation_counter.num_cache_misses += 1
         compilation_counter.num_inductor_compiles += 1
@@ -281,3 +308,73 @@ class CompilecoreBackend:
         cache.save(name, artifact)
         self.stats.inductor_s += time.perf_counter() - t0
         return artifact
+
+    def _load(self, name: str, returns_tuple: bool, cache: CompileCache) -> Callable | None:
+        t0 = time.perf_counter()
+        artifact = cache.load(name)
+        self.stats.load_s += time.perf_counter() - t0
+        if artifact is None or returns_tuple:
+            return artifact
+        # A loaded artifact always returns a list; the split module expects the value.
+        return lambda *a, _art=artifact: _art(*a)[0]
+
+    def recipe_parts(self) -> tuple[str, list[dict[str, Any]]]:
+        """The split module's code and, per piece, its code (attention, run as is) or the
+        artifact that serves it."""
+        pieces = []
+        for piece in self.pieces:
+            entry: dict[str, Any] = {"name": piece.name, "index": piece.index}
+            canonical = self.canonical.get(piece.name)
+            if canonical is None:
+                entry["code"] = generated_code(piece.graph)
+            else:
+                entry["artifact"] = canonical
+                entry["returns_tuple"] = graph_returns_tuple(piece.graph)
+                entry["token_dim"] = self.runnables[canonical].token_dim
+            pieces.append(entry)
+        return generated_code(self.split_gm), pieces
+
+    def load_recipe(self, recipe: ForwardRecipe) -> Callable | None:
+        """The split module rebuilt from a recipe and cached artifacts, with no tracing;
+        None if an artifact is missing or unreadable (then Dynamo traces as usual)."""
+        cache = CompileCache(self.config, recipe.cache_key, self.tag)
+        if not cache.enabled:
+            return None
+        start = time.perf_counter()
+        sizes = sorted(set(self.config.compilation_config.compile_sizes))
+        stitched = types.SimpleNamespace()
+        runnables: dict[str, PiecewiseBackend] = {}
+        for p in recipe.pieces:
+            if "code" in p:
+                fn = exec_forward(p["code"], f"<compilecore {self.tag} {p['name']}>")
+                setattr(stitched, p["name"], functools.partial(fn, None))
+                continue
+            name = p["artifact"]
+            if name not in runnables:
+                names = [name] + [f"{name}_size_{s}" for s in sizes]
+                loaded = [self._load(n, p["returns_tuple"], cache) for n in names]
+                if any(a is None for a in loaded):
+                    return None
+                token_dim = tuple(p["token_dim"]) if p["token_dim"] is not None else None
+                runnables[name] = PiecewiseBackend(
+                    loaded[0], dict(zip(sizes, loaded[1:])), token_dim
+                )
+            self.canonical[p["name"]] = name
+            setattr(stitched, p["name"], self._wrap(runnables[name], p["index"]))
+        self.runnables, self.cache_key = runnables, recipe.cache_key
+        compilation_counter.num_cache_hits += len(runnables) * (1 + len(sizes))
+        compilation_counter.num_piecewise_graphs_seen += len(recipe.pieces)
+        compilation_counter.num_piecewise_capturable_graphs_seen += len(self.canonical)
+        compilation_counter.num_backend_compilations += len(runnables)
+        self.stats.pieces = len(recipe.pieces)
+        self._total_matches(cache)
+        logger.info(
+            "loaded %s from its recipe: %d pieces (%d distinct) in %.1f s, no tracing, cache %s",
+            self.tag,
+            len(recipe.pieces),
+            len(runnables),
+            time.perf_counter() - start,
+            cache.dir,
+        )
+        return functools.partial(exec_forward(recipe.split_code, f"<compilecore {self.tag}>"),
+                                 stitched)  # fmt: skip

@@ -39,10 +39,12 @@ def traced_files(gm: fx.GraphModule) -> list[str]:
     return sorted(f for f in files if os.path.isfile(f))
 
 
-def cache_factors(
-    engine_config: EngineConfig, gm: fx.GraphModule, pass_uuid: str
-) -> dict[str, Any]:
-    """Everything that changes the compiled code, by name (also shown in dumps)."""
+def file_digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def config_factors(engine_config: EngineConfig, pass_uuid: str) -> dict[str, Any]:
+    """What changes the compiled code and is known before tracing."""
     mc, cc, pc = (
         engine_config.model_config,
         engine_config.compilation_config,
@@ -52,9 +54,6 @@ def cache_factors(
 
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else vars(mc.hf_config)
     hf = {k: v for k, v in hf.items() if not k.startswith("_") and k != "transformers_version"}
-    sources = hashlib.sha256()
-    for path in traced_files(gm):
-        sources.update(path.encode() + Path(path).read_bytes())
     return {
         "torch": torch.__version__,
         "device": engine_config.device.type,
@@ -68,6 +67,18 @@ def cache_factors(
         "parallel": [pc.tensor_parallel_size, pc.pipeline_parallel_size],
         "rank": [get_tp_group().rank_in_group, get_pp_group().rank_in_group],
         "pass_manager": pass_uuid,
+    }
+
+
+def cache_factors(
+    engine_config: EngineConfig, gm: fx.GraphModule, pass_uuid: str
+) -> dict[str, Any]:
+    """Everything that changes the compiled code, by name (also shown in dumps)."""
+    sources = hashlib.sha256()
+    for path in traced_files(gm):
+        sources.update(path.encode() + Path(path).read_bytes())
+    return {
+        **config_factors(engine_config, pass_uuid),
         "traced_sources": sources.hexdigest(),
         "graph": hashlib.sha256(gm.code.encode()).hexdigest(),
     }
@@ -77,11 +88,14 @@ def cache_key(factors: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:24]
 
 
+def compile_cache_root(engine_config: EngineConfig) -> Path:
+    base = engine_config.compilation_config.cache_dir
+    return Path(base) if base else cache_root() / "torch_compile"
+
+
 class CompileCache:
     def __init__(self, engine_config: EngineConfig, key: str, tag: str):
-        base = engine_config.compilation_config.cache_dir
-        root = Path(base) if base else cache_root() / "torch_compile"
-        self.dir = root / key / tag
+        self.dir = compile_cache_root(engine_config) / key / tag
         self.enabled = not cache_disabled()
 
     def path(self, name: str) -> Path:
@@ -102,6 +116,7 @@ class CompileCache:
 
             compilation_counter.num_cache_errors += 1
             logger.warning("compile cache entry %s is unreadable (%s): recompiling it", path, e)
+            path.unlink(missing_ok=True)  # reported once; the recompile writes it anew
             return None
 
     def save_json(self, name: str, data: Any) -> None:

@@ -88,7 +88,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    # "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton";
+    # "auto" (Triton on CUDA, the C++ kernels on CPU), "torch", "cpu" or "triton";
     # the COMPILECORE_ATTENTION_BACKEND environment variable overrides it.
     attention_backend: str = "auto"
     num_gpu_blocks: int | None = None  # set by the engine once the budget is known
@@ -98,9 +98,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, cpu or triton, got "
+                f"{self.attention_backend!r}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

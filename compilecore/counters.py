@@ -20,6 +20,7 @@ class CompilationCounter:
     num_cache_errors: int = 0  # corrupt or unreadable entries, recompiled
     num_recompiles: int = 0  # Dynamo traces beyond the first of a model (debug mode raises)
     num_cudagraph_captured: int = 0
+    num_warm_starts: int = 0  # forwards started from a saved recipe, without Dynamo
 
     def clone(self) -> CompilationCounter:
         return dataclasses.replace(self)

@@ -23,9 +23,25 @@ import torch
 from torch import nn
 
 from compilecore.backend import CompilecoreBackend
+from compilecore.compile_cache import (
+    cache_disabled,
+    compile_cache_root,
+    config_factors,
+    file_digest,
+)
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
 from compilecore.dump import dump_root, write_report, write_transformed_code
+from compilecore.inductor_env import trusted_vec_isa
+from compilecore.recipe import (
+    ForwardRecipe,
+    NoRecipe,
+    RecipeRunner,
+    args_structure,
+    describe_output,
+    module_fingerprint,
+    recipe_path,
+)
 from passes.config import AttentionShape, PassContext
 from passes.manager import PostGradPassManager
 
@@ -118,9 +134,35 @@ class CompiledForward:
         if self.dynamo_fn is not None:  # debug mode: through Dynamo, guards on
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self.dynamo_fn(module, *args, **kwargs)
-        return self._compile_and_run(module, *args, **kwargs)
+        path = self._recipe_path(module, args, kwargs)
+        with trusted_vec_isa(compile_cache_root(self.config)):
+            if path is not None and self._warm_start(module, path):
+                return self.dispatch(module, *args, **kwargs)
+            return self._compile_and_run(module, path, *args, **kwargs)
 
-    def _compile_and_run(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def _recipe_path(self, module: nn.Module, args: tuple, kwargs: dict):
+        """Where this forward's recipe lives; None when recipes are off (debug mode, dumps,
+        the verifier or a disabled cache: those must trace)."""
+        cc = self.config.compilation_config
+        if cc.debug or cache_disabled() or self.backend.must_run_passes:
+            return None
+        factors = config_factors(self.config, self.pass_manager.uuid())
+        factors["module"] = f"{type(module).__module__}.{type(module).__qualname__}"
+        factors["module_fingerprint"] = module_fingerprint(module)
+        factors["args"] = args_structure(self.signature, args, kwargs)
+        return recipe_path(compile_cache_root(self.config), self.tag, factors)
+
+    def _warm_start(self, module: nn.Module, path) -> bool:
+        recipe = ForwardRecipe.load(path)
+        stitched = self.backend.load_recipe(recipe) if recipe is not None else None
+        if stitched is None:
+            return False
+        compilation_counter.num_models_seen += 1
+        compilation_counter.num_warm_starts += 1
+        self.dispatch = RecipeRunner(recipe, module, stitched, self.function)
+        return True
+
+    def _compile_and_run(self, module: nn.Module, path, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(module, *args, **kwargs)
         for name, dims in self.dynamic_dims.items():
             if bound.arguments.get(name) is not None:
@@ -143,8 +185,35 @@ class CompiledForward:
         if not self.config.compilation_config.debug:
             if self.compiled_code is None:
                 raise RuntimeError("torch.compile produced no bytecode for forward")
-            self.dispatch = _with_code(self.function, self.compiled_code)
+            self.dispatch = self._recipe_runner(module, out, path) or _with_code(
+                self.function, self.compiled_code
+            )
         return out
+
+    def _recipe_runner(self, module: nn.Module, out: Any, path) -> RecipeRunner | None:
+        """Write down what Dynamo's bytecode does, save it for the next process, and run
+        it from now on; None (keep Dynamo's bytecode) if the forward is not expressible."""
+        backend = self.backend
+        try:
+            if isinstance(backend.input_sources, NoRecipe):
+                raise backend.input_sources
+            split_code, pieces = backend.recipe_parts()
+            recipe = ForwardRecipe(
+                cache_key=backend.cache_key,
+                traced_files={f: file_digest(f) for f in backend.traced_files},
+                inputs=backend.input_sources,
+                output=describe_output(out, backend.first.outputs),
+                split_code=split_code,
+                pieces=pieces,
+            )
+        except NoRecipe as e:
+            logger.info("%s runs Dynamo's bytecode (no recipe: %s)", self.tag, e)
+            return None
+        finally:
+            backend.first.outputs = None
+        if path is not None:
+            recipe.save(path)
+        return RecipeRunner(recipe, module, backend.split_gm.forward, self.function)
 
 
 def support_torch_compile(cls: T | None = None, *, dynamic_arg_dims: dict[str, Any] | None = None):

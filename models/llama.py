@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compilecore.compiled_function import StaticShapeFunction
 from compilecore.config import EngineConfig
 from compilecore.decorators import support_torch_compile
 from compilecore.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
@@ -39,6 +40,7 @@ from models.utils import (
     make_layers,
     maybe_prefix,
 )
+from passes.ops.gemv import gemv_reduction
 
 
 class WeightLoadError(ValueError):
@@ -291,8 +293,7 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
             self.logits_processor = LogitsProcessor(
                 config.vocab_size,
                 scale=getattr(config, "logit_scale", 1.0),
-                small_batch_gemv=engine_config.device.type == "cpu"
-                and engine_config.compilation_config.mode != "none",
+                small_batch_gemv=_small_batch_gemv(engine_config),
             )
         else:
             self.lm_head = PPMissingLayer()
@@ -353,3 +354,10 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                 raise WeightLoadError(f"shape mismatch for {ckpt_name!r}: {e}") from None
             loaded.add(name)
         return loaded
+
+
+def _small_batch_gemv(engine_config: EngineConfig) -> StaticShapeFunction | None:
+    """Compiled engines on CPU read the LM head through a compiled reduction loop."""
+    if engine_config.device.type != "cpu" or engine_config.compilation_config.mode == "none":
+        return None
+    return StaticShapeFunction(gemv_reduction, engine_config)

@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from compilecore import testing
+from compilecore.compile_cache import file_digest
 from compilecore.config import CompilationConfig, EngineConfig
 from compilecore.counters import compilation_counter
 from compilecore.decorators import support_torch_compile
 from compilecore.forward_context import set_forward_context
+from compilecore.recipe import ForwardRecipe, RecipeRunner
 from runtime import LLM, SamplingParams
 from runtime.attention import AttentionMetadata
 from tests.helpers import load_ours, save_checkpoint
@@ -111,6 +113,106 @@ def test_eager_mode_compiles_nothing(tmp_path):
     model = SillyModel(engine_config=_silly_config(tmp_path, mode="none"))
     with compilation_counter.expect(num_graphs_seen=0, num_inductor_compiles=0):
         model(torch.randn(3, 8))
+
+
+# -- forward recipes: no Dynamo on later calls, none at all in a warm start --------------
+
+
+def _silly_pair(tmp_path, num_layers=3, **compilation):
+    torch.manual_seed(0)
+    model = SillyModel(engine_config=_silly_config(tmp_path, **compilation), num_layers=num_layers)
+    eager = SillyModel(engine_config=_silly_config(tmp_path, mode="none"), num_layers=num_layers)
+    eager.load_state_dict(model.state_dict())
+    return model, eager
+
+
+def test_recipe_replaces_dynamo_and_warm_starts(tmp_path):
+    cold, eager = _silly_pair(tmp_path)
+    with compilation_counter.expect(num_graphs_seen=1, num_warm_starts=0):
+        cold(torch.randn(4, 8))
+    assert isinstance(cold._compiled_forward.dispatch, RecipeRunner)
+    assert len(list((tmp_path / "recipes").rglob("*.json"))) == 1
+
+    warm, _ = _silly_pair(tmp_path)  # same module, config and cache: nothing to trace
+    with compilation_counter.expect(
+        num_graphs_seen=0, num_warm_starts=1, num_inductor_compiles=0, num_cache_hits=3
+    ):
+        warm(torch.randn(2, 8))
+    for n in (1, 3, 17):
+        x = torch.randn(n, 8)
+        before = ATTENTION_CALLS[0]
+        got = warm(x)
+        assert ATTENTION_CALLS[0] - before == 3  # attention still runs between the pieces
+        assert torch.allclose(got, eager(x), atol=1e-5)
+        assert torch.equal(got, cold(x))
+
+
+def test_recipe_not_shared_by_different_modules(tmp_path):
+    """A plain attribute the forward loops over (the layer count) is part of the key."""
+    _silly_pair(tmp_path, num_layers=2)[0](torch.randn(3, 8))
+    model, eager = _silly_pair(tmp_path, num_layers=4)
+    with compilation_counter.expect(num_graphs_seen=1, num_warm_starts=0):
+        got = model(torch.randn(3, 8))
+    x = torch.randn(5, 8)
+    assert torch.allclose(model(x), eager(x), atol=1e-5) and got.shape == (3, 1)
+
+
+def test_recipe_with_a_missing_artifact_traces_again(tmp_path):
+    _silly_pair(tmp_path)[0](torch.randn(3, 8))
+    next(tmp_path.rglob("piece_2.bin")).unlink()
+    model, eager = _silly_pair(tmp_path)
+    with compilation_counter.expect(num_graphs_seen=1, num_warm_starts=0, num_inductor_compiles=1):
+        model(torch.randn(3, 8))
+    x = torch.randn(6, 8)
+    assert torch.allclose(model(x), eager(x), atol=1e-5)
+
+
+@support_torch_compile
+class DictModel(nn.Module):
+    """Returns a dict: not expressible as a recipe, so Dynamo's bytecode keeps running."""
+
+    def __init__(self, *, engine_config: EngineConfig, prefix: str = ""):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"y": torch.tanh(x @ self.weight)}
+
+
+def test_forward_without_a_recipe_runs_dynamo_bytecode(tmp_path):
+    model = DictModel(engine_config=_silly_config(tmp_path))
+    x = torch.randn(3, 8)
+    with compilation_counter.expect(num_graphs_seen=1):
+        first = model(x)
+    assert not isinstance(model._compiled_forward.dispatch, RecipeRunner)
+    assert not list(tmp_path.rglob("recipes/**/*.json"))
+    assert torch.allclose(model(x)["y"], first["y"]) and torch.allclose(
+        first["y"], torch.tanh(x @ model.weight), atol=1e-5
+    )
+
+
+def test_recipe_is_ignored_when_a_traced_file_changes(tmp_path):
+    source = tmp_path / "model_source.py"
+    source.write_text("x = 1\n")
+    recipe = ForwardRecipe(
+        cache_key="k",
+        traced_files={str(source): file_digest(str(source))},
+        inputs=["L['x']"],
+        output={"kind": "tensor", "index": 0},
+        split_code="def forward(self, x):\n    return (x,)\n",
+        pieces=[],
+    )
+    path = tmp_path / "recipe.json"
+    recipe.save(path)
+    assert ForwardRecipe.load(path) == recipe
+    source.write_text("x = 2\n")
+    assert ForwardRecipe.load(path) is None
+    path.write_text("{not json")
+    assert ForwardRecipe.load(path) is None
+    recipe.inputs = ["__import__('os').system('true')"]  # only lookups are accepted
+    recipe.traced_files = {}
+    recipe.save(path)
+    assert ForwardRecipe.load(path) is None
 
 
 # -- a small random Llama --------------------------------------------------------------

@@ -34,6 +34,9 @@ def test_warm_start_and_corrupt_entry(tiny_llama, tmp_path):
     warm = _run(tiny_llama[0], tmp_path)
     assert warm["counters"]["num_inductor_compiles"] == 0
     assert warm["counters"]["num_cache_hits"] == distinct
+    # The forward recipe: no Dynamo trace at all in the warm process.
+    assert warm["counters"]["num_graphs_seen"] == 0
+    assert warm["counters"]["num_warm_starts"] == 1
     assert warm["tokens"] == cold["tokens"]
     ratio = cold["time_to_first_token_s"] / warm["time_to_first_token_s"]
     print(
@@ -47,6 +50,7 @@ def test_warm_start_and_corrupt_entry(tiny_llama, tmp_path):
     recovered = _run(tiny_llama[0], tmp_path)
     assert recovered["counters"]["num_cache_errors"] == 1
     assert recovered["counters"]["num_inductor_compiles"] == 1
+    assert recovered["counters"]["num_graphs_seen"] == 1  # the recipe fell back to tracing
     assert recovered["tokens"] == cold["tokens"]
     again = _run(tiny_llama[0], tmp_path)  # the entry was replaced
     assert again["counters"]["num_cache_hits"] == distinct

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from compilecore.counters import compilation_counter
 from runtime import LLM, SamplingParams
 from runtime.executor import WorkerError
 from tests.helpers import llama_config, save_checkpoint
@@ -65,6 +66,27 @@ def test_pipeline_parallel_equals_one_process(tiny_llama, tp, pp):
         assert _tokens(llm) == want
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_compiled_pipeline_stages_warm_start_from_recipes(tiny_llama, tmp_path):
+    """Stage 0 returns IntermediateTensors and stage 1 reads them: both recipes, written
+    by the first LLM, start the second one without tracing."""
+    want = _single(tiny_llama[0])
+    for warm in (False, True):
+        # The driver is rank 0 and runs stage 0: its counters say how that stage started.
+        with compilation_counter.expect(num_warm_starts=int(warm), num_graphs_seen=int(not warm)):
+            llm = LLM(
+                str(tiny_llama[0]),
+                pipeline_parallel_size=2,
+                compilation_config={"cache_dir": str(tmp_path)},
+            )
+        try:
+            assert _tokens(llm) == want
+        finally:
+            llm.shutdown()
+    recipes = [json.loads(p.read_text()) for p in tmp_path.rglob("recipes/**/*.json")]
+    assert sorted(r["output"]["kind"] for r in recipes) == ["object", "tensor"]
 
 
 def test_compiled_tp2_fuses_allreduce_per_rank(tiny_llama, tmp_path):

@@ -77,7 +77,7 @@ def test_forcing_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypatc
         pytest.skip("CUDA present")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_attention_backend(torch.device("cpu"), "triton")
-    assert select_attention_backend(torch.device("cpu")).name == "torch"
+    assert select_attention_backend(torch.device("cpu"), "torch").name == "torch"
 
 
 @pytest.mark.gpu

@@ -73,7 +73,6 @@ class Attention(nn.Module):
         return f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}"
 
 
-@torch.library.custom_op("compilecore::unified_attention_with_output", mutates_args=("output",))
 def unified_attention_with_output(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str
 ) -> None:
@@ -87,8 +86,21 @@ def unified_attention_with_output(
     layer.impl.forward(layer, q, k, v, output, ctx.attn_metadata)
 
 
-@unified_attention_with_output.register_fake
-def _(
+def _fake_unified_attention_with_output(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str
 ) -> None:
     return None
+
+
+# Registered through `torch.library.Library` rather than the `custom_op` decorator: the
+# decorator's Python wrapper costs ~8 us a call, 30 times a decode step (benchmarks/NOTES.md).
+_LIB = torch.library.Library("compilecore", "FRAGMENT")
+_LIB.define(
+    "unified_attention_with_output(Tensor q, Tensor k, Tensor v, Tensor(a!) output, "
+    "str layer_name) -> ()"
+)
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("unified_attention_with_output", unified_attention_with_output, _key)
+torch.library.register_fake(
+    "compilecore::unified_attention_with_output", _fake_unified_attention_with_output, lib=_LIB
+)

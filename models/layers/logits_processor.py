@@ -1,30 +1,37 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from compilecore.parallel_state import tensor_model_parallel_all_gather
 from models.layers.vocab_embedding import ParallelLMHead
-from passes.ops.gemv import compiled_gemv
 
 
 class LogitsProcessor(nn.Module):
     """Hidden states -> logits over the whole vocabulary (gathered across TP ranks).
 
-    With `small_batch_gemv` (compiled engines on CPU), a few rows go through a compiled
-    reduction loop that reads the (large) LM head weight at close to memory bandwidth."""
+    With `small_batch_gemv` (compiled engines on CPU: `passes.ops.gemv.gemv_reduction`
+    compiled per shape), a few rows go through a reduction loop that reads the (large) LM
+    head weight at close to memory bandwidth."""
 
     SMALL_BATCH = 4
 
-    def __init__(self, vocab_size: int, scale: float = 1.0, small_batch_gemv: bool = False):
+    def __init__(
+        self,
+        vocab_size: int,
+        scale: float = 1.0,
+        small_batch_gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ):
         super().__init__()
         self.vocab_size, self.scale = vocab_size, scale
         self.small_batch_gemv = small_batch_gemv
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.small_batch_gemv and hidden_states.shape[0] <= self.SMALL_BATCH:
-            logits = compiled_gemv()(hidden_states, lm_head.weight)
+        if self.small_batch_gemv is not None and hidden_states.shape[0] <= self.SMALL_BATCH:
+            logits = self.small_batch_gemv(hidden_states, lm_head.weight)
             if lm_head.bias is not None:
                 logits = logits + lm_head.bias
         else:

@@ -58,11 +58,11 @@ class _StepPlan:
     prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # start, end, slots, mask
 
 
-def _plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+def _plan(meta: AttentionMetadata, block_size: int, decode: bool = True) -> _StepPlan:
     n, nd = meta.num_actual_tokens, meta.num_decodes
     slots_valid = bool((meta.slot_mapping[:n] >= 0).all()) if n else True
     decode_slots = decode_mask = decode_bias = None
-    if nd:
+    if nd and decode:
         lens = meta.seq_lens_cpu[:nd]
         decode_slots = token_slots(meta.block_table[:nd], max(lens), block_size)
         if nd > 1:
@@ -108,6 +108,12 @@ class TorchPagedAttentionBackend:
         if nd:
             ks, vs = gather_slots(kv_cache, plan.decode_slots)  # [nd, KV, L, D]
             output[:nd] = self._decode(q[:nd].reshape(nd, h, 1, d), ks, vs, layer.scale, plan)
+        self._prefill(layer, q, kv_cache, output, plan)
+
+    @staticmethod
+    def _prefill(layer, q, kv_cache, output, plan: _StepPlan) -> None:
+        """Prefill chunks, one sequence at a time, over their gathered K/V."""
+        h, d = layer.num_heads, layer.head_size
         for s, e, slots, mask in plan.prefill:
             ks, vs = gather_slots(kv_cache, slots)
             qs = q[s:e].reshape(e - s, h, d).transpose(0, 1)

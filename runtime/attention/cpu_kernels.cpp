@@ -1,0 +1,327 @@
+// Paged attention for CPUs: the KV-cache write and decode attention straight from the
+// paged cache, without gathering K/V into padded copies. Built with g++ on first use
+// (runtime/attention/cpu_build.py) and called through ctypes, so there is no torch header
+// to compile and no Python binding to build.
+//
+// Cache layout: kv_cache [2, num_blocks, block_size, num_kv_heads, head_size], so slot s
+// of K starts at k_cache + s * num_kv_heads * head_size. Each (sequence, KV head) pair is
+// one task: the group of query heads that share the KV head reads each K/V row once, and
+// an online softmax over chunks of tokens keeps everything in a few small stack buffers.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kMaxGroupDims = 8192;  // query heads per KV head x head size
+constexpr int64_t kChunk = 16;           // tokens per online-softmax update: one vector
+constexpr int64_t kMaxGroup = 64;
+
+using bf16 = uint16_t;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(bf16* dst, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
+    *dst = bf16((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even, as torch does
+  *dst = bf16(bits >> 16);
+}
+
+// 16 floats: one AVX-512 register with -march=native on this CPU; GCC splits it on
+// narrower machines, so the source stays portable.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x16 load16(const bf16* p) {
+  u16x16 half;
+  std::memcpy(&half, p, sizeof half);
+  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+inline float hsum(f32x16 v) {
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  b += __builtin_shufflevector(b, b, 1, 0, 3, 2);
+  return b[0];
+}
+
+inline float hmax(f32x16 v) {
+  const f32x8 a1 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 a2 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x8 a = a1 > a2 ? a1 : a2;
+  const f32x4 b1 = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+  const f32x4 b2 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  float m = -INFINITY;
+  for (int i = 0; i < 4; ++i) m = b1[i] > m ? b1[i] : m, m = b2[i] > m ? b2[i] : m;
+  return m;
+}
+
+// exp for x <= 0 in fp32: 2^n * p(r) with r = x - n ln 2 in [-ln2 / 2, ln2 / 2] and p the
+// degree-6 Taylor polynomial (relative error ~2e-7); below -87 (and -inf) it is exactly 0.
+// A scalar libm call per score cost more than the dot products it follows.
+inline f32x16 vexp(f32x16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const i32x16 underflow = x < -87.f;
+  x = x < -87.f ? f32x16{} - 87.f : x;
+  // Round x / ln 2 to nearest by truncating (x / ln 2 - 1/2): valid as x <= 0. (-ffast-math
+  // would fold the usual add-and-subtract-a-magic-number trick away.)
+  const i32x16 ni = __builtin_convertvector(x * 1.44269504f - 0.5f, i32x16);
+  const f32x16 n = __builtin_convertvector(ni, f32x16);
+  const f32x16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  f32x16 p = f32x16{} + (1.f / 720);
+  p = p * r + (1.f / 120);
+  p = p * r + (1.f / 24);
+  p = p * r + (1.f / 6);
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const i32x16 bits = (ni + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return underflow ? f32x16{} : p * scale;
+}
+
+// Walks a sequence's block table token by token without a division per token.
+struct SlotCursor {
+  const int32_t* blocks;
+  int64_t block_size, block = 0, offset = 0;
+  // Element offsets (slot * row stride) of the next n tokens.
+  void next(int64_t n, int64_t stride, int64_t* out) {
+    for (int64_t j = 0; j < n; ++j) {
+      out[j] = (int64_t(blocks[block]) * block_size + offset) * stride;
+      if (++offset == block_size) {
+        offset = 0;
+        ++block;
+      }
+    }
+  }
+};
+
+template <typename T>
+void write_kv(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* k_cache,
+              T* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row) {
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    const int64_t slot = slots[i];
+    if (slot < 0) continue;  // padding writes nothing
+    std::memcpy(k_cache + slot * row, k + i * k_stride, row * sizeof(T));
+    std::memcpy(v_cache + slot * row, v + i * v_stride, row * sizeof(T));
+  }
+}
+
+template <typename T>
+void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                int64_t seq_len, T* out, int64_t group, int64_t num_kv_heads, int64_t kv_head,
+                int64_t d, int64_t block_size, float scale) {
+  float qf[kMaxGroupDims], acc[kMaxGroupDims], row[512];
+  float scores[kMaxGroup * kChunk], running_max[kMaxGroup], running_sum[kMaxGroup];
+  for (int64_t i = 0; i < group * d; ++i) {
+    qf[i] = to_float(q[i]) * scale;
+    acc[i] = 0.f;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    running_max[g] = -INFINITY;
+    running_sum[g] = 0.f;
+  }
+  SlotCursor cursor{blocks, block_size};
+  int64_t rows[kChunk];
+  for (int64_t start = 0; start < seq_len; start += kChunk) {
+    const int64_t n = seq_len - start < kChunk ? seq_len - start : kChunk;
+    cursor.next(n, num_kv_heads * d, rows);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = k_cache + rows[j] + kv_head * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) row[x] = to_float(k[x]);
+      for (int64_t g = 0; g < group; ++g) {
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t x = 0; x < d; ++x) dot += qf[g * d + x] * row[x];
+        scores[g * kChunk + j] = dot;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float m = running_max[g];
+      for (int64_t j = 0; j < n; ++j) m = scores[g * kChunk + j] > m ? scores[g * kChunk + j] : m;
+      const float correction = std::exp(running_max[g] - m);
+      float sum = running_sum[g] * correction;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = std::exp(scores[g * kChunk + j] - m);
+        scores[g * kChunk + j] = p;
+        sum += p;
+      }
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) acc[g * d + x] *= correction;
+      running_max[g] = m;
+      running_sum[g] = sum;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = v_cache + rows[j] + kv_head * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) row[x] = to_float(v[x]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * kChunk + j];
+#pragma omp simd
+        for (int64_t x = 0; x < d; ++x) acc[g * d + x] += p * row[x];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
+    for (int64_t x = 0; x < d; ++x) store(out + g * d + x, acc[g * d + x] * inv);
+  }
+}
+
+// The same online softmax with the head dimension in registers: D is a compile-time
+// multiple of 16, so each K/V row is D / 16 vector loads and every dot product is D / 16
+// independent multiplies and one horizontal sum.
+template <typename T, int64_t D>
+void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                    int64_t seq_len, T* out, int64_t group, int64_t num_kv_heads,
+                    int64_t kv_head, int64_t block_size, float scale) {
+  constexpr int64_t C = D / 16;
+  f32x16 qv[kMaxGroupDims / 16], acc[kMaxGroupDims / 16], row[C];
+  float scores[kMaxGroup * kChunk], running_max[kMaxGroup], running_sum[kMaxGroup];
+  for (int64_t i = 0; i < group * C; ++i) {
+    qv[i] = load16(q + i * 16) * scale;
+    acc[i] = f32x16{};
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    running_max[g] = -INFINITY;
+    running_sum[g] = 0.f;
+  }
+  SlotCursor cursor{blocks, block_size};
+  int64_t rows[kChunk];
+  for (int64_t start = 0; start < seq_len; start += kChunk) {
+    const int64_t n = seq_len - start < kChunk ? seq_len - start : kChunk;
+    cursor.next(n, num_kv_heads * D, rows);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = k_cache + rows[j] + kv_head * D;
+      for (int64_t c = 0; c < C; ++c) row[c] = load16(k + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        f32x16 dot = qv[g * C] * row[0];
+        for (int64_t c = 1; c < C; ++c) dot += qv[g * C + c] * row[c];
+        scores[g * kChunk + j] = hsum(dot);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * kChunk;
+      for (int64_t j = n; j < kChunk; ++j) sg[j] = -INFINITY;  // a short last chunk
+      f32x16 sv = load16(sg);
+      const float m = std::max(running_max[g], hmax(sv));
+      const float correction = std::exp(running_max[g] - m);
+      sv = vexp(sv - m);
+      std::memcpy(sg, &sv, sizeof sv);
+      const float sum = running_sum[g] * correction + hsum(sv);
+      for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= correction;
+      running_max[g] = m;
+      running_sum[g] = sum;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = v_cache + rows[j] + kv_head * D;
+      for (int64_t c = 0; c < C; ++c) row[c] = load16(v + c * 16);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * kChunk + j];
+        for (int64_t c = 0; c < C; ++c) acc[g * C + c] += p * row[c];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t x = 0; x < 16; ++x) store(out + (g * C + c) * 16 + x, acc[g * C + c][x] * inv);
+  }
+}
+
+template <typename T>
+void decode_task(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
+                 int64_t seq_len, T* out, int64_t group, int64_t num_kv_heads, int64_t kv_head,
+                 int64_t d, int64_t block_size, float scale) {
+#define VEC_CASE(DIM)                                                                      \
+  case DIM:                                                                                \
+    return decode_one_vec<T, DIM>(q, k_cache, v_cache, blocks, seq_len, out, group,       \
+                                  num_kv_heads, kv_head, block_size, scale);
+  switch (d) {
+    VEC_CASE(64)
+    VEC_CASE(80)
+    VEC_CASE(96)
+    VEC_CASE(128)
+    VEC_CASE(256)
+    default:
+      return decode_one(q, k_cache, v_cache, blocks, seq_len, out, group, num_kv_heads,
+                        kv_head, d, block_size, scale);
+  }
+#undef VEC_CASE
+}
+
+template <typename T>
+void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+            const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens, T* out,
+            int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+            int64_t head_size, int64_t block_size, float scale, int64_t num_threads) {
+  const int64_t group = num_heads / num_kv_heads;
+  // Small batches are cheaper on one thread than waking the OpenMP pool.
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads) \
+    if (num_threads > 1)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t first = h * group * head_size;
+      decode_task(q + s * q_stride + first, k_cache, v_cache, block_table + s * bt_stride,
+                 int64_t(seq_lens[s]), out + s * out_stride + first, group, num_kv_heads, h,
+                 head_size, block_size, scale);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t max_group_dims() { return kMaxGroupDims; }
+int64_t max_group() { return kMaxGroup; }
+
+#define COMPILECORE_KERNELS(NAME, T)                                                       \
+  void write_kv_##NAME(const T* k, int64_t k_stride, const T* v, int64_t v_stride,        \
+                       T* k_cache, T* v_cache, const int64_t* slots, int64_t num_tokens,   \
+                       int64_t row) {                                                      \
+    write_kv(k, k_stride, v, v_stride, k_cache, v_cache, slots, num_tokens, row);          \
+  }                                                                                        \
+  void decode_##NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,     \
+                     const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens, \
+                     T* out, int64_t out_stride, int64_t num_seqs, int64_t num_heads,      \
+                     int64_t num_kv_heads, int64_t head_size, int64_t block_size,          \
+                     float scale, int64_t num_threads) {                                   \
+    decode(q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out,           \
+           out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,    \
+           num_threads);                                                                   \
+  }
+
+COMPILECORE_KERNELS(f32, float)
+COMPILECORE_KERNELS(bf16, bf16)
+
+}  // extern "C"

@@ -1,0 +1,102 @@
+"""The C++ CPU attention backend against the torch backend and dense attention, on shapes
+drawn by hypothesis, and through the whole engine."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from runtime import LLM, SamplingParams
+from runtime.attention import TorchPagedAttentionBackend
+from runtime.attention.cpu_build import load_cpu_kernels
+from runtime.attention.cpu_paged import CpuPagedAttentionBackend
+from tests.attention_cases import Batch, batches, build_case, run_and_check
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+SHAPES = dict(
+    head_sizes=(8, 64, 80, 128),
+    block_sizes=(1, 4, 16, 32),
+    max_ctx=70,
+    max_q=6,
+    max_seqs=4,
+    dtypes=(torch.float32, torch.bfloat16),
+)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return CpuPagedAttentionBackend()
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=batches(**SHAPES))
+def test_cpu_equals_torch_and_dense(backend, batch):
+    got = run_and_check(build_case(batch), backend, TOL[batch.dtype])
+    case = build_case(batch)  # a fresh cache: the torch backend writes it too
+    want = run_and_check(case, TorchPagedAttentionBackend(), TOL[batch.dtype])
+    n = case.meta.num_actual_tokens
+    scale = max(1.0, want[:n].float().abs().max().item())
+    assert (got[:n].float() - want[:n].float()).abs().max().item() <= TOL[batch.dtype] * scale
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_many_decodes_long_context(threads):
+    """Enough work to use the thread pool; MQA and a large query group."""
+    seqs = [(300 + 37 * i, 1) for i in range(12)]
+    for kv_heads, heads in ((1, 16), (4, 8)):
+        batch = Batch(block_size=16, kv_heads=kv_heads, heads=heads, head_size=64, seqs=seqs,
+                      padding=2, seed=kv_heads, dtype=torch.bfloat16)  # fmt: skip
+        run_and_check(build_case(batch), CpuPagedAttentionBackend(num_threads=threads), 2e-2)
+
+
+def test_bf16_rounding_matches_torch():
+    """The kernel's fp32 -> bf16 store rounds like torch (nearest even, NaN kept)."""
+    lib = load_cpu_kernels()
+    values = torch.tensor(
+        [1.0, 1.00390625, 1.01171875, -2.5e-8, 3.3895e38, float("inf"), float("nan"), 0.0]
+    )
+    # One token, one head, head size = len(values), V = values and K = 0: the output is V.
+    d = values.numel()
+    cache = torch.zeros(2, 1, 1, 1, d)
+    cache[1, 0, 0, 0] = values
+    q = torch.zeros(1, d, dtype=torch.bfloat16)
+    out = torch.empty(1, d, dtype=torch.bfloat16)
+    cache16 = cache.to(torch.bfloat16)
+    cache16[1, 0, 0, 0] = values.to(torch.bfloat16)
+    seq_lens, table = torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32)
+    lib.decode_bf16(q.data_ptr(), d, cache16[0].data_ptr(), cache16[1].data_ptr(),
+                    table.data_ptr(), 1, seq_lens.data_ptr(), out.data_ptr(), d, 1, 1, 1, d, 1,
+                    ctypes.c_float(1.0), 1)  # fmt: skip
+    want = values.to(torch.bfloat16)
+    assert torch.equal(out[0, :-2], want[:-2]) and torch.isnan(out[0, -2])
+    assert out[0, -1] == 0
+
+
+def test_unsupported_shapes_fall_back_to_torch(backend):
+    """fp16 caches and oversized heads take the torch path and stay correct."""
+    batch = Batch(block_size=4, kv_heads=1, heads=2, head_size=8, seqs=[(5, 1), (0, 3)],
+                  padding=1, seed=1, dtype=torch.float16)  # fmt: skip
+    case = build_case(batch)
+    assert not backend.supports(case.layer, case.layer.kv_cache)
+    run_and_check(case, backend, 1e-2)
+
+
+def test_auto_selects_cpu_backend_on_cpu():
+    from runtime.worker import select_attention_backend
+
+    assert select_attention_backend(torch.device("cpu")).name == "cpu"
+    assert select_attention_backend(torch.device("cpu"), "torch").name == "torch"
+
+
+def test_engine_greedy_cpu_equals_torch(tiny_llama):
+    prompts = [[5, 6, 7, 8, 9], [42], [100 + i for i in range(20)]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for name in ("torch", "cpu"):
+        llm = LLM(str(tiny_llama[0]), enforce_eager=True, attention_backend=name)
+        assert llm.llm_engine.runner.attn_backend.name == name
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["cpu"] == outs["torch"]
