@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,10 +37,21 @@ def _marker(root: Path) -> Path | None:
         ][:2]
     except OSError:
         return None
-    compiler = os.environ.get("CXX", "") + str(torch._inductor.config.cpp.cxx)
-    key = "\n".join([torch.__version__, compiler, *cpu])
+    key = "\n".join([torch.__version__, _compiler_version(), *cpu])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return root / "inductor" / f"vec_isa_ok_{digest}"
+
+
+def _compiler_version() -> str:
+    """What a probe's result depends on besides the CPU: the C++ compiler Inductor runs."""
+    names = [os.environ.get("CXX", ""), *[c for c in torch._inductor.config.cpp.cxx if c]]
+    for name in filter(None, names):
+        try:
+            out = subprocess.run([name, "--version"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        return f"{name}: {out.stdout.strip()}"
+    return "no compiler found"
 
 
 def _probes_all_passed() -> bool:

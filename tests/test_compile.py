@@ -331,3 +331,21 @@ def padded_llm(tiny_llama, tmp_path_factory):
     padded.llm_engine.runner.capture_sizes = [4, 8, 16, 32, 64, 128]
     assert padded.llm_engine.runner.padded_size(5) == 8
     return plain, padded
+
+
+def test_vector_isa_probes_are_remembered(tmp_path):
+    """A process whose probes all passed leaves a marker; later blocks trust the CPU."""
+    from torch._inductor import cpu_vec_isa
+
+    from compilecore.inductor_env import _marker, _probes_all_passed, trusted_vec_isa
+
+    if _marker(tmp_path) is None:
+        pytest.skip("the probes are only skipped on x86-64 Linux")
+    cpu_vec_isa.valid_vec_isa_list()  # this process's probes (already run by any compile)
+    with trusted_vec_isa(tmp_path):
+        assert torch._inductor.config.cpp.vec_isa_ok is None  # first time: probe
+    assert _marker(tmp_path).exists() == _probes_all_passed()
+    if _marker(tmp_path).exists():
+        with trusted_vec_isa(tmp_path):
+            assert torch._inductor.config.cpp.vec_isa_ok is True
+        assert torch._inductor.config.cpp.vec_isa_ok is None  # only inside the block
