@@ -108,6 +108,32 @@ inline f32x16 vexp(f32x16 x) {
   return underflow ? f32x16{} : p * scale;
 }
 
+// Online softmax over chunks of kChunk scores per query head (both kernels below).
+struct OnlineSoftmax {
+  int64_t group;
+  float max[kMaxGroup], sum[kMaxGroup], correction[kMaxGroup];
+
+  explicit OnlineSoftmax(int64_t g) : group(g) {
+    for (int64_t i = 0; i < group; ++i) max[i] = -INFINITY, sum[i] = 0.f;
+  }
+  // scores [group][kChunk], n valid: turns them into weights and sets, per head, the
+  // factor by which the caller rescales what it accumulated from earlier chunks.
+  void update(float* scores, int64_t n) {
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * kChunk;
+      for (int64_t j = n; j < kChunk; ++j) sg[j] = -INFINITY;  // a short last chunk
+      f32x16 sv = load16(sg);
+      const float m = std::max(max[g], hmax(sv));
+      correction[g] = std::exp(max[g] - m);
+      sv = vexp(sv - m);
+      std::memcpy(sg, &sv, sizeof sv);
+      sum[g] = sum[g] * correction[g] + hsum(sv);
+      max[g] = m;
+    }
+  }
+  float inverse_sum(int64_t g) const { return sum[g] > 0.f ? 1.f / sum[g] : 0.f; }
+};
+
 // Walks a sequence's block table token by token without a division per token.
 struct SlotCursor {
   const int32_t* blocks;
@@ -140,14 +166,11 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
                 int64_t seq_len, T* out, int64_t group, int64_t num_kv_heads, int64_t kv_head,
                 int64_t d, int64_t block_size, float scale) {
   float qf[kMaxGroupDims], acc[kMaxGroupDims], row[512];
-  float scores[kMaxGroup * kChunk], running_max[kMaxGroup], running_sum[kMaxGroup];
+  float scores[kMaxGroup * kChunk];
+  OnlineSoftmax softmax(group);
   for (int64_t i = 0; i < group * d; ++i) {
     qf[i] = to_float(q[i]) * scale;
     acc[i] = 0.f;
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    running_max[g] = -INFINITY;
-    running_sum[g] = 0.f;
   }
   SlotCursor cursor{blocks, block_size};
   int64_t rows[kChunk];
@@ -165,20 +188,10 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
         scores[g * kChunk + j] = dot;
       }
     }
+    softmax.update(scores, n);
     for (int64_t g = 0; g < group; ++g) {
-      float m = running_max[g];
-      for (int64_t j = 0; j < n; ++j) m = scores[g * kChunk + j] > m ? scores[g * kChunk + j] : m;
-      const float correction = std::exp(running_max[g] - m);
-      float sum = running_sum[g] * correction;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = std::exp(scores[g * kChunk + j] - m);
-        scores[g * kChunk + j] = p;
-        sum += p;
-      }
 #pragma omp simd
-      for (int64_t x = 0; x < d; ++x) acc[g * d + x] *= correction;
-      running_max[g] = m;
-      running_sum[g] = sum;
+      for (int64_t x = 0; x < d; ++x) acc[g * d + x] *= softmax.correction[g];
     }
     for (int64_t j = 0; j < n; ++j) {
       const T* v = v_cache + rows[j] + kv_head * d;
@@ -192,7 +205,7 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
+    const float inv = softmax.inverse_sum(g);
     for (int64_t x = 0; x < d; ++x) store(out + g * d + x, acc[g * d + x] * inv);
   }
 }
@@ -206,14 +219,11 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_
                     int64_t kv_head, int64_t block_size, float scale) {
   constexpr int64_t C = D / 16;
   f32x16 qv[kMaxGroupDims / 16], acc[kMaxGroupDims / 16], row[C];
-  float scores[kMaxGroup * kChunk], running_max[kMaxGroup], running_sum[kMaxGroup];
+  float scores[kMaxGroup * kChunk];
+  OnlineSoftmax softmax(group);
   for (int64_t i = 0; i < group * C; ++i) {
     qv[i] = load16(q + i * 16) * scale;
     acc[i] = f32x16{};
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    running_max[g] = -INFINITY;
-    running_sum[g] = 0.f;
   }
   SlotCursor cursor{blocks, block_size};
   int64_t rows[kChunk];
@@ -229,19 +239,9 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_
         scores[g * kChunk + j] = hsum(dot);
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = scores + g * kChunk;
-      for (int64_t j = n; j < kChunk; ++j) sg[j] = -INFINITY;  // a short last chunk
-      f32x16 sv = load16(sg);
-      const float m = std::max(running_max[g], hmax(sv));
-      const float correction = std::exp(running_max[g] - m);
-      sv = vexp(sv - m);
-      std::memcpy(sg, &sv, sizeof sv);
-      const float sum = running_sum[g] * correction + hsum(sv);
-      for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= correction;
-      running_max[g] = m;
-      running_sum[g] = sum;
-    }
+    softmax.update(scores, n);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= softmax.correction[g];
     for (int64_t j = 0; j < n; ++j) {
       const T* v = v_cache + rows[j] + kv_head * D;
       for (int64_t c = 0; c < C; ++c) row[c] = load16(v + c * 16);
@@ -252,7 +252,7 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = running_sum[g] > 0.f ? 1.f / running_sum[g] : 0.f;
+    const float inv = softmax.inverse_sum(g);
     for (int64_t c = 0; c < C; ++c)
       for (int64_t x = 0; x < 16; ++x) store(out + (g * C + c) * 16 + x, acc[g * C + c][x] * inv);
   }
