@@ -1,10 +1,14 @@
-"""Batch-1 decode of the default model (or --model), side by side with its peers in one
-run: HF transformers eager (and, with --hf-compile, static cache + torch.compile), this
-engine eager and compiled, llama.cpp when `llama_cpp` is installed and --gguf is given.
-Reports tok/s, achieved GB/s (weight bytes x tok/s) and that as a share of the copy
-bandwidth measured in the same run.
+"""Batch-1 decode of the default model (or --model), side by side with every peer in one
+run: llama.cpp through llama-cpp-python on a GGUF of the same weights (built by
+benchmarks/setup_peers.sh), HF transformers eager and (with --hf-compile) static cache +
+torch.compile with freezing, and this engine eager and compiled, with the CPU's read
+bandwidth measured in the same run as the ceiling.
 
-    python benchmarks/bench_latency.py --dtype bfloat16 --tokens 128
+Every engine decodes `--tokens` tokens greedily after the same chat prompt (the same token
+ids), without stopping at EOS, and is timed the same way: tokens/s between the first and
+the last generated token, (N - 1) / (t_N - t_1).
+
+    python benchmarks/bench_latency.py --tokens 128 --hf-compile
 """
 
 from __future__ import annotations
@@ -18,45 +22,62 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (  # noqa: E402
-    PROMPT_37,
-    RESULTS,
-    copy_bandwidth,
-    decode_speed,
-    save_results,
-    weight_bytes,
-)
+import peers  # noqa: E402
+from common import RESULTS, decode_speed, read_bandwidth, save_results, weight_bytes  # noqa: E402
 
 from runtime import LLM  # noqa: E402
 
+QUESTION = "What is the capital of France?"
 
-def hf_decode_speed(model_dir: str, dtype: torch.dtype, tokens: int, compile_: bool) -> float:
+
+def chat_prompt(llm: LLM) -> list[int]:
+    """The question in the model's chat template (raw when it has none), as token ids."""
+    try:
+        return llm.apply_chat_template([{"role": "user", "content": QUESTION}])["prompt_token_ids"]
+    except ValueError:
+        return llm.tokenizer.encode(QUESTION)
+
+
+class _TokenTimes:
+    """An HF streamer that notes when each generated token arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # the first call carries the prompt
+            self.prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_decode_speed(
+    model_dir: str, dtype: torch.dtype, prompt: list[int], tokens: int, compile_: bool
+) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
-    if compile_:
+    if compile_:  # HF's best CPU setting: static cache, compiled, weights frozen
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    ids = torch.tensor([PROMPT_37])
+        model.forward = torch.compile(model.forward, fullgraph=True)
+    ids = torch.tensor([prompt])
     with torch.inference_mode():
         model.generate(ids, **kwargs)  # warm-up (and compile)
-        start = time.perf_counter()
-        model.generate(ids, **kwargs)
-    return tokens / (time.perf_counter() - start)
-
-
-def llama_cpp_speed(gguf: str, tokens: int) -> float | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(gguf, n_threads=torch.get_num_threads(), verbose=False)
-    llm(" ".join(["hello"] * 30), max_tokens=8)
-    start = time.perf_counter()
-    out = llm(" ".join(["hello"] * 30), max_tokens=tokens, temperature=0)
-    return out["usage"]["completion_tokens"] / (time.perf_counter() - start)
+        streamer = _TokenTimes()
+        model.generate(ids, streamer=streamer, **kwargs)
+    if compile_:
+        inductor_config.freezing = False
+    t = streamer.times
+    return (len(t) - 1) / (t[-1] - t[0])
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -66,62 +87,53 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hf-compile", action="store_true", help="also HF static cache + compile")
-    parser.add_argument("--gguf", default=None, help="a GGUF of the same weights for llama.cpp")
+    parser.add_argument("--hf-compile", action="store_true", help="also HF static+compile")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF peers")
+    parser.add_argument("--gguf", default=None, help="llama.cpp's GGUF (default: the peers')")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    bandwidth = copy_bandwidth()
+    threads = torch.get_num_threads()
+    ceiling_gbs = read_bandwidth()
     rows = []
-    for name, kwargs in (
-        ("compilecore eager", {"enforce_eager": True}),
-        ("compilecore compiled", {}),
-    ):
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            kv_cache_memory=64 << 20,
-            **kwargs,
-        )
+    engines = (("compilecore compiled", {}), ("compilecore eager", {"enforce_eager": True}))
+    for name, kwargs in engines:
+        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                  kv_cache_memory=64 << 20, **kwargs)  # fmt: skip
+        prompt = chat_prompt(llm)
         weights = weight_bytes(llm)
-        rows.append(
-            {"engine": name, "tok_s": decode_speed(llm, PROMPT_37, args.tokens, args.repeats)}
-        )
+        speed = decode_speed(llm, prompt, args.tokens, args.repeats)
+        rows.append({"engine": name, "tok_s": speed})
         model_dir = llm.engine_config.model_config.model
         dtype = llm.engine_config.model_config.dtype
         del llm
         gc.collect()
-    rows.append(
-        {"engine": "HF eager", "tok_s": hf_decode_speed(model_dir, dtype, args.tokens, False)}
-    )
-    if args.hf_compile:
-        rows.append(
-            {
-                "engine": "HF static+compile",
-                "tok_s": hf_decode_speed(model_dir, dtype, args.tokens, True),
-            }
-        )
-    if args.gguf:
-        speed = llama_cpp_speed(args.gguf, args.tokens)
-        rows.append({"engine": "llama.cpp", "tok_s": speed})
-    base = next(r["tok_s"] for r in rows if r["engine"] == "HF eager")
+    gguf = Path(args.gguf) if args.gguf else (peers.gguf("bf16") if args.model is None else None)
+    lacking = [] if gguf else ["a GGUF of these weights (--gguf)"]
+    lacking += [] if peers.has_llama_cpp_python() else ["llama-cpp-python"]
+    if not lacking:
+        speed = peers.llama_cpp_decode(gguf, prompt, args.tokens, threads)
+        kind = gguf.stem.rsplit("-", 1)[-1].upper()
+        rows.append({"engine": f"llama.cpp ({kind})", "tok_s": speed})
+    peers.report_missing(lacking)
+    if not args.no_hf:
+        hf = [("HF eager", False)] + [("HF static+compile+freezing", True)] * args.hf_compile
+        for name, compiled in hf:
+            speed = hf_decode_speed(model_dir, dtype, prompt, args.tokens, compiled)
+            rows.append({"engine": name, "tok_s": speed})
+    ceiling = ceiling_gbs * 1e9 / weights
+    reference = next((r["tok_s"] for r in rows if r["engine"].startswith("llama.cpp")), None)
     for r in rows:
-        if r["tok_s"]:
-            r["GB_s"] = weights * r["tok_s"] / 1e9
-            r["of_copy_bw"] = r["GB_s"] / bandwidth
-            r["vs_HF_eager"] = r["tok_s"] / base
+        r["GB_s"] = weights * r["tok_s"] / 1e9
+        r["of_ceiling"] = r["tok_s"] / ceiling
+        if reference:
+            r["vs_llama_cpp"] = r["tok_s"] / reference
     title = (
-        f"batch-1 decode, {args.dtype}, {torch.get_num_threads()} threads, copy bandwidth "
-        f"{bandwidth:.1f} GB/s, weights {weights / 1e6:.0f} MB"
+        f"batch-1 decode, {args.tokens} tokens after a chat prompt, {args.dtype}, {threads} "
+        f"threads; read bandwidth {ceiling_gbs:.1f} GB/s, weights {weights / 1e6:.0f} MB per "
+        f"token, ceiling {ceiling:.0f} tok/s"
     )
-    return save_results(
-        "latency",
-        rows,
-        ["engine", "tok_s", "vs_HF_eager", "GB_s", "of_copy_bw"],
-        title,
-        Path(args.out),
-        chart_key="tok_s",
-    )
+    columns = ["engine", "tok_s", "vs_llama_cpp", "GB_s", "of_ceiling"]
+    return save_results("latency", rows, columns, title, Path(args.out), chart_key="tok_s")
 
 
 if __name__ == "__main__":

@@ -1,15 +1,24 @@
-"""Offline throughput: 64 requests with seeded prompt and output lengths uniform in
-64-256, `ignore_eos`, this engine (continuous batching) against HF transformers' batched
-`generate` (padded batches of --hf-batch), in one run. Only requested tokens count.
+"""Offline throughput, in one run:
 
-    python benchmarks/bench_throughput.py --dtype bfloat16
+1. Mixed lengths: 64 requests with seeded prompt and output lengths uniform in 64-256,
+   `ignore_eos`, this engine (continuous batching) against HF transformers' batched
+   `generate` (padded, length-sorted batches of --hf-batch, after a warm-up). Only
+   requested tokens count.
+2. Fixed shapes, B x (128-token prompt + 128 tokens) for B in --batches, against
+   llama.cpp's `llama-batched-bench` at the same shapes on a GGUF of the same weights
+   (built by benchmarks/setup_peers.sh): wall time of the whole batch, and tokens (prompt
+   + generated) per second, as llama-batched-bench counts them.
+
+    python benchmarks/bench_throughput.py
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import peers  # noqa: E402
 from common import RESULTS, save_results  # noqa: E402
 
 from runtime import LLM, SamplingParams  # noqa: E402
@@ -44,6 +54,11 @@ def hf(model_dir: str, dtype, prompts, outputs, batch: int) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
+    # Length-sorted batches pad least; a warm-up keeps first-call costs out of the timing.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    prompts, outputs = [prompts[i] for i in order], [outputs[i] for i in order]
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, pad_token_id=0)
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
@@ -62,6 +77,36 @@ def hf(model_dir: str, dtype, prompts, outputs, batch: int) -> float:
     return sum(outputs) / (time.perf_counter() - start)
 
 
+def fixed_shapes(llm: LLM, batches: list[int], length: int, vocab: int) -> list[dict]:
+    params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
+    rng = random.Random(1)
+    rows = []
+    for b in batches:
+        prompts = [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(b)]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        rows.append({"engine": "compilecore compiled", "batch": b, "seconds": seconds,
+                     "tok_s": b * 2 * length / seconds})  # fmt: skip
+    return rows
+
+
+def llama_batched_bench(batches: list[int], length: int, threads: int) -> list[dict]:
+    tool, gguf = peers.llama_tool("llama-batched-bench"), peers.gguf("bf16")
+    ctx = max(batches) * 2 * length + 256
+    cmd = [str(tool), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
+           "-npp", str(length), "-ntg", str(length), "-npl", ",".join(map(str, batches)),
+           "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            rows.append({"engine": "llama.cpp BF16 (llama-batched-bench)", "batch": r["pl"],
+                         "seconds": r["t"], "tok_s": r["speed"]})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
@@ -72,14 +117,17 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--batches", default="1,16,64", help="fixed shapes; '' to skip")
+    parser.add_argument("--length", type=int, default=128, help="prompt = output length")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    llm = LLM(
-        args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.requests
-    )
+    max_seqs = max([args.requests] + [int(b) for b in args.batches.split(",") if b])
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max_seqs)
     vocab = llm.engine_config.model_config.hf_config.vocab_size
     prompts, outputs = workload(args.requests, args.min_len, args.max_len, vocab)
     rows = [{"engine": "compilecore compiled", "tok_s": ours(llm, prompts, outputs)}]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    shapes = fixed_shapes(llm, batches, args.length, vocab) if batches else []
     model_dir, dtype = llm.engine_config.model_config.model, llm.engine_config.model_config.dtype
     llm.shutdown()
     del llm
@@ -93,6 +141,23 @@ def main(argv: list[str] | None = None) -> Path:
         )
         for r in rows:
             r["vs_HF"] = r["tok_s"] / rows[-1]["tok_s"]
+    threads = torch.get_num_threads()
+    lacking = peers.missing(tools=("llama-batched-bench",)) if args.model is None else ["GGUF"]
+    if shapes and not lacking:
+        theirs = {r["batch"]: r for r in llama_batched_bench(batches, args.length, threads)}
+        for r in list(shapes):
+            if r["batch"] in theirs:
+                r["vs_llama_cpp"] = theirs[r["batch"]]["seconds"] / r["seconds"]
+                shapes.append(theirs[r["batch"]])
+    if shapes:
+        peers.report_missing(lacking)
+        shapes.sort(key=lambda r: r["batch"])
+        title = (
+            f"B x ({args.length}-token prompt + {args.length} tokens), {args.dtype}, "
+            f"{threads} threads: wall seconds, (prompt + generated) tokens/s"
+        )
+        columns = ["engine", "batch", "seconds", "tok_s", "vs_llama_cpp"]
+        save_results("batched", shapes, columns, title, Path(args.out))
     title = (
         f"offline throughput, {args.requests} requests, lengths {args.min_len}-"
         f"{args.max_len}, {args.dtype}, {torch.get_num_threads()} threads"

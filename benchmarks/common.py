@@ -29,10 +29,28 @@ def decode_speed(llm: LLM, prompt: list[int], tokens: int, repeats: int) -> floa
     return sorted(speeds)[len(speeds) // 2]
 
 
+def read_bandwidth(device: str = "cpu", nbytes: int = 512 << 20, repeats: int = 7) -> float:
+    """Median GB/s of a sum over a buffer larger than the last-level cache, written first
+    (an untouched buffer reads the kernel's zero page, not DRAM). The decode ceiling is
+    this divided by the bytes each token reads."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        x.sum()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / sorted(times)[len(times) // 2] / 1e9
+
+
 def copy_bandwidth(device: str = "cpu", nbytes: int = 512 << 20) -> float:
-    """GB/s read by a large copy (bytes read; the same bytes are also written)."""
-    src = torch.empty(nbytes // 4, device=device)
-    dst = torch.empty_like(src)
+    """GB/s read by a large copy of written memory (bytes read; as many are written)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.zeros_like(src)
     for _ in range(2):
         dst.copy_(src)
     if device != "cpu":

@@ -79,6 +79,13 @@ def _concretize(args: Sequence[Any], size: int, mode: FakeTensorMode) -> list[An
     return out
 
 
+# Code for a static token count (batch-1 decode on CPU): every pointwise value that feeds
+# a reduction is computed once into its own (tiny) buffer instead of being recomputed
+# inside the reduction's loop for every output row, so the GEMV loops only stream weights
+# (benchmarks/NOTES.md, section 12).
+STATIC_SIZE_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 0}
+
+
 class PiecewiseBackend:
     """One compiled piece: the general (symbolic-size) artifact plus one per compile size."""
 
@@ -131,8 +138,9 @@ class CompilecoreBackend:
         cc = self.config.compilation_config
         return bool(cc.debug_dump_path) or cc.passes.verify
 
-    def inductor_options(self) -> dict[str, Any]:
-        patches = dict(self.config.compilation_config.inductor_options)
+    def inductor_options(self, static: bool = False) -> dict[str, Any]:
+        patches = dict(STATIC_SIZE_OPTIONS if static else {})
+        patches.update(self.config.compilation_config.inductor_options)
         patches["post_grad_custom_pre_pass"] = self.pass_manager
         if self.must_run_passes:
             patches["force_disable_caches"] = True
@@ -301,7 +309,7 @@ class CompilecoreBackend:
                 piece.graph,
                 args,
                 dynamic_shapes="from_tracing_context" if dynamic else "from_example_inputs",
-                options=self.inductor_options(),
+                options=self.inductor_options(static=not dynamic),
             )
         finally:
             quiet.setLevel(level)

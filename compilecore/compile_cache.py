@@ -7,6 +7,7 @@ once, recompiled and replaced. `COMPILECORE_DISABLE_COMPILE_CACHE=1` turns it of
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -67,7 +68,18 @@ def config_factors(engine_config: EngineConfig, pass_uuid: str) -> dict[str, Any
         "parallel": [pc.tensor_parallel_size, pc.pipeline_parallel_size],
         "rank": [get_tp_group().rank_in_group, get_pp_group().rank_in_group],
         "pass_manager": pass_uuid,
+        "compilecore": compilecore_source_hash(),
     }
+
+
+@functools.cache
+def compilecore_source_hash() -> str:
+    """The compile layer's own code: a change to how pieces are split, compiled or
+    loaded must not reuse artifacts made by the old code."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
 
 
 def cache_factors(

@@ -151,6 +151,9 @@ class CompilationConfig:
     # run; [] on CUDA, where CUDA graphs cover small batches).
     compile_sizes: list[int] | None = None
     cudagraph_capture_sizes: list[int] | None = None
+    # CPU only: record each decode-only step at a compile size once and replay its native
+    # calls with no Python between kernels (compilecore/cpu_graph.py).
+    cpu_graphs: bool = True
     cache_dir: str | None = None
     debug_dump_path: str | None = None
     # Keep Dynamo's guards and raise on any recompile (slower; for tests and debugging).

@@ -40,7 +40,7 @@ from models.utils import (
     make_layers,
     maybe_prefix,
 )
-from passes.ops.gemv import gemv_reduction
+from passes.ops.gemv import gemv_logits
 
 
 class WeightLoadError(ValueError):
@@ -360,4 +360,4 @@ def _small_batch_gemv(engine_config: EngineConfig) -> StaticShapeFunction | None
     """Compiled engines on CPU read the LM head through a compiled reduction loop."""
     if engine_config.device.type != "cpu" or engine_config.compilation_config.mode == "none":
         return None
-    return StaticShapeFunction(gemv_reduction, engine_config)
+    return StaticShapeFunction(gemv_logits, engine_config)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from compilecore import cpu_graph
+from compilecore.compile_cache import compile_cache_root
 from compilecore.config import EngineConfig
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
@@ -24,6 +26,7 @@ from runtime.block_manager import BlockManager
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("compilecore")
+_MISSING = object()
 
 
 @dataclass
@@ -90,9 +93,26 @@ class ModelRunner:
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
         self.block_table = torch.zeros((max_seqs, max_blocks), dtype=i32, device=dev)
         self.kv_caches: list[torch.Tensor] = []
+        # numpy views of the same memory: filling them costs ~1 us, a torch.tensor + copy_
+        # ~10 us, and a decode step fills six.
+        names = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping")
+        self.host_views = (
+            {name: getattr(self, name).numpy() for name in (*names, "block_table")}
+            if self.device.type == "cpu"
+            else None
+        )
         cc = engine_config.compilation_config
         graphs = self.device.type == "cuda" and cc.mode != "none"
         self.capture_sizes = sorted(cc.cudagraph_capture_sizes or []) if graphs else []
+        # CPU graphs: decode-only steps at a size with static code, one process, compiled.
+        cpu_graphs = (
+            self.device.type == "cpu"
+            and cc.mode != "none"
+            and cc.cpu_graphs
+            and engine_config.parallel_config.world_size == 1
+        )
+        self.cpu_graph_sizes = set(cc.compile_sizes or []) if cpu_graphs else set()
+        self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
 
     @property
     def attention_layers(self) -> dict[str, nn.Module]:
@@ -124,16 +144,27 @@ class ModelRunner:
         n, b = plan.num_tokens, len(plan.seq_lens)
         padded = self.padded_size(n)
         # Padding rows: token 0 at position 0, slot -1 (written nowhere in the cache).
-        self.input_ids[:padded].copy_(torch.tensor(plan.token_ids + [0] * (padded - n)))
-        self.positions[:padded].copy_(torch.tensor(plan.positions + [0] * (padded - n)))
-        self.query_start_loc[: b + 1].copy_(torch.tensor(plan.query_starts, dtype=torch.int32))
-        self.seq_lens[:b].copy_(torch.tensor(plan.seq_lens, dtype=torch.int32))
-        self.slot_mapping[:n].copy_(torch.tensor(plan.slots, dtype=torch.int64))
-        width = max(len(t) for t in plan.block_tables)
-        rows = torch.zeros((b, width), dtype=torch.int32)
-        for i, t in enumerate(plan.block_tables):
-            rows[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.block_table[:b, :width].copy_(rows)
+        pad = [0] * (padded - n)
+        if self.host_views is not None:  # CPU: write the buffers in place through numpy
+            views = self.host_views
+            views["input_ids"][:padded] = plan.token_ids + pad
+            views["positions"][:padded] = plan.positions + pad
+            views["query_start_loc"][: b + 1] = plan.query_starts
+            views["seq_lens"][:b] = plan.seq_lens
+            views["slot_mapping"][:n] = plan.slots
+            for i, t in enumerate(plan.block_tables):
+                views["block_table"][i, : len(t)] = t
+        else:
+            self.input_ids[:padded].copy_(torch.tensor(plan.token_ids + pad))
+            self.positions[:padded].copy_(torch.tensor(plan.positions + pad))
+            self.query_start_loc[: b + 1].copy_(torch.tensor(plan.query_starts, dtype=torch.int32))
+            self.seq_lens[:b].copy_(torch.tensor(plan.seq_lens, dtype=torch.int32))
+            self.slot_mapping[:n].copy_(torch.tensor(plan.slots, dtype=torch.int64))
+            width = max(len(t) for t in plan.block_tables)
+            rows = torch.zeros((b, width), dtype=torch.int32)
+            for i, t in enumerate(plan.block_tables):
+                rows[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            self.block_table[:b, :width].copy_(rows)
         meta = AttentionMetadata(
             num_actual_tokens=n,
             query_start_loc=self.query_start_loc[: b + 1],
@@ -153,6 +184,13 @@ class ModelRunner:
         """Run this rank's stage. Returns logits [len(plan.logits_rows), vocab] on global
         rank 0 (the driver), None elsewhere."""
         padded, meta = self._load(plan)
+        n = plan.num_tokens
+        if n in self.cpu_graph_sizes and plan.num_decodes == n and len(plan.logits_rows) == n:
+            graph = self.cpu_graphs.get(n, _MISSING)
+            if graph is _MISSING:
+                return self._capture_cpu_graph(n, meta)
+            if graph is not None:
+                return graph.replay()
         pp = get_pp_group()
         inputs = None
         if not pp.is_first_rank:  # hidden states and residual from the stage before
@@ -170,6 +208,32 @@ class ModelRunner:
         if world_rank() != 0 and get_tp_group().is_first_rank and pp.world_size > 1:
             pp.send_tensors({"logits": logits}, dst=0)
         return logits if world_rank() == 0 else None
+
+    def _capture_cpu_graph(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
+        """Run this decode step while recording it; check that a replay of the recording
+        gives the same logits, then keep it for every later step of this size."""
+
+        def step() -> torch.Tensor:
+            with set_forward_context(meta, self.config):
+                out = self.model(self.input_ids[:n], self.positions[:n], None)
+            return self.model.compute_logits(out[:n])  # rows 0..n-1: a view, not a gather
+
+        try:
+            logits, graph = cpu_graph.capture(step, compile_cache_root(self.config))
+        except cpu_graph.CpuGraphUnsupported as exc:
+            logger.info("no CPU graph for %d tokens (%s): running piece by piece", n, exc)
+            self.cpu_graphs[n] = None
+            with set_forward_context(meta, self.config):
+                out = self.model(self.input_ids[:n], self.positions[:n], None)
+            return self.model.compute_logits(out[:n])
+        expected = logits.clone()
+        if not torch.equal(graph.replay(), expected):  # the replay rewrites the same KV
+            logger.warning("CPU graph for %d tokens differs from its capture: not used", n)
+            self.cpu_graphs[n] = None
+            return expected
+        logger.info("captured a CPU graph for %d tokens: %r", n, graph)
+        self.cpu_graphs[n] = graph
+        return logits
 
     def _logits_from_last_stage(self, plan: StepPlan) -> torch.Tensor | None:
         if not plan.logits_rows:

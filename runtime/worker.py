@@ -16,6 +16,7 @@ from runtime.attention import TorchPagedAttentionBackend
 from runtime.attention.cpu_build import KernelBuildError, load_cpu_kernels
 from runtime.attention.cpu_paged import CpuPagedAttentionBackend
 from runtime.attention.triton_paged import TritonPagedAttentionBackend, triton_usable
+from runtime.huge_pages import pack_parameters
 from runtime.model_runner import ModelRunner, StepPlan
 
 logger = logging.getLogger("compilecore")
@@ -65,6 +66,8 @@ class Worker:
     def __init__(self, engine_config: EngineConfig):
         self.config = engine_config
         self.model = load_model(engine_config)
+        if engine_config.device.type == "cpu":
+            pack_parameters(self.model)  # before compiling: pieces read weights in place
         backend = select_attention_backend(
             engine_config.device,
             engine_config.cache_config.attention_backend,

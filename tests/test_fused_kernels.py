@@ -38,7 +38,11 @@ def _qkv_case(tokens, heads, kv_heads, head_dim, dtype, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     positions = torch.randint(0, 32, (tokens,), generator=g)
-    cache = torch.randn(32, head_dim, generator=g)
+    # A real rotary cache ([cos | sin] per position, |values| <= 1): random values would
+    # amplify bf16 rounding far beyond what any model sees.
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(32).float()[:, None] * inv_freq[None, :]
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
     return qkv.to(device), positions.to(device), cache.to(device)
 
 

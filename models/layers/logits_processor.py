@@ -13,9 +13,9 @@ from models.layers.vocab_embedding import ParallelLMHead
 class LogitsProcessor(nn.Module):
     """Hidden states -> logits over the whole vocabulary (gathered across TP ranks).
 
-    With `small_batch_gemv` (compiled engines on CPU: `passes.ops.gemv.gemv_reduction`
+    With `small_batch_gemv` (compiled engines on CPU: `passes.ops.gemv.gemv_logits`
     compiled per shape), a few rows go through a reduction loop that reads the (large) LM
-    head weight at close to memory bandwidth."""
+    head weight at close to memory bandwidth and returns fp32 logits."""
 
     SMALL_BATCH = 4
 

@@ -319,6 +319,22 @@ int64_t max_group() { return kMaxGroup; }
     decode(q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out,           \
            out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,    \
            num_threads);                                                                   \
+  }                                                                                        \
+  /* The same decode with integer-only arguments, for a CPU graph (compilecore/cpu_graph) \
+     that replays it with the step's values read from the metadata buffers: the thread  \
+     count follows the longest sequence, as the Python caller decides it per step. */    \
+  void decode_graph_##NAME(const T* q, int64_t q_stride, const T* k_cache,                 \
+                           const T* v_cache, const int32_t* block_table, int64_t bt_stride, \
+                           const int32_t* seq_lens, T* out, int64_t out_stride,            \
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,      \
+                           int64_t head_size, int64_t block_size, const float* scale,      \
+                           int64_t max_threads, int64_t min_parallel_work) {               \
+    int64_t longest = 0;                                                                   \
+    for (int64_t s = 0; s < num_seqs; ++s) longest = std::max<int64_t>(longest, seq_lens[s]); \
+    const int64_t work = num_seqs * num_kv_heads * longest;                                \
+    decode(q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out,           \
+           out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size, *scale,   \
+           work >= min_parallel_work ? max_threads : 1);                                   \
   }
 
 COMPILECORE_KERNELS(f32, float)

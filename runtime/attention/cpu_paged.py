@@ -9,12 +9,14 @@ with an online softmax in fp32, one task per (sequence, KV head).
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from compilecore import cpu_graph
 from runtime.attention.cpu_build import load_cpu_kernels
 from runtime.attention.metadata import AttentionMetadata
 from runtime.attention.torch_paged import TorchPagedAttentionBackend, _plan, _StepPlan
@@ -38,6 +40,8 @@ class _Bound:
     cache: torch.Tensor
     write: Any
     decode: Any
+    graph_decode: Any  # the decode with integer-only arguments (CPU graphs)
+    scale: torch.Tensor  # the softmax scale as a tensor, for graph_decode
     k_cache: int
     v_cache: int
     row: int  # elements per cache slot
@@ -74,6 +78,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             cache=kv_cache,
             write=getattr(self.lib, f"write_kv_{suffix}"),
             decode=getattr(self.lib, f"decode_{suffix}"),
+            graph_decode=getattr(self.lib, f"decode_graph_{suffix}"),
+            scale=torch.tensor([layer.scale], dtype=torch.float32),
             k_cache=k_cache,
             v_cache=k_cache + kv_cache[0].numel() * kv_cache.element_size(),
             row=layer.num_kv_heads * layer.head_size,
@@ -108,6 +114,35 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                          step.threads)  # fmt: skip
         if step.prefill is not None:
             self._prefill(layer, q, bound.cache, output, step.prefill)
+        if cpu_graph.is_capturing():
+            self._record(bound, step, q, k, v, output)
+
+    def _record(self, bound: _Bound, step: _Step, q, k, v, output) -> None:
+        """The calls above, for a CPU graph: the replay reads the step's lengths and
+        tables from the same metadata buffers."""
+        rows = {name: _rows(t) for name, t in (("q", q), ("k", k), ("v", v))}
+        if step.prefill is not None:
+            return cpu_graph.refuse("CPU attention: prefill chunks run in Python")
+        if any(rows[n].data_ptr() != t.data_ptr() for n, t in (("q", q), ("k", k), ("v", v))):
+            return cpu_graph.refuse("CPU attention: q/k/v rows are copied per call")
+        q, k, v = rows["q"], rows["k"], rows["v"]
+        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        if step.num_tokens:
+            cpu_graph.record_native_call(
+                address(bound.write),
+                [k, k.stride(0), v, v.stride(0), bound.k_cache, bound.v_cache,
+                 step.keep[0], step.num_tokens, bound.row],
+                "CPU attention (KV write)",
+            )  # fmt: skip
+        if step.num_decodes:
+            cpu_graph.record_native_call(
+                address(bound.graph_decode),
+                [q, q.stride(0), bound.k_cache, bound.v_cache, step.keep[1],
+                 step.block_table_stride, step.keep[2], output, output.stride(0),
+                 step.num_decodes, *bound.shape[:4], bound.scale, self.num_threads,
+                 PARALLEL_MIN_WORK],
+                "CPU attention (decode)",
+            )  # fmt: skip
 
     def _step(self, meta: AttentionMetadata, layer, kv_cache: torch.Tensor) -> _Step:
         """What every layer of a step passes the kernels (worked out on the first layer)."""

@@ -1,0 +1,68 @@
+"""The benchmarks' peers, as `benchmarks/setup_peers.sh` builds them under the cache
+directory: llama.cpp (its C++ tools and the llama-cpp-python binding) and the default
+model's weights as BF16 / Q8_0 GGUF. Every benchmark says which peers are missing
+instead of failing."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+from compilecore.config import cache_root
+
+SETUP = "bash benchmarks/setup_peers.sh"
+
+
+def peers_dir() -> Path:
+    return cache_root() / "peers"
+
+
+def gguf(outtype: str = "bf16") -> Path | None:
+    path = peers_dir() / f"smollm2-135m-instruct-{outtype}.gguf"
+    return path if path.is_file() else None
+
+
+def llama_tool(name: str) -> Path | None:
+    path = peers_dir() / "llama.cpp-build" / "bin" / name
+    return path if path.is_file() else None
+
+
+def has_llama_cpp_python() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def missing(*, python: bool = False, tools: tuple[str, ...] = ()) -> list[str]:
+    """What a benchmark needs and is not built here (empty: everything is)."""
+    out = []
+    if gguf("bf16") is None:
+        out.append("the default model as BF16 GGUF")
+    if python and not has_llama_cpp_python():
+        out.append("llama-cpp-python")
+    out += [tool for tool in tools if llama_tool(tool) is None]
+    return out
+
+
+def report_missing(what: list[str]) -> None:
+    if what:
+        print(f"[peers] not measured, missing: {', '.join(what)} (build them with: {SETUP})")
+
+
+def llama_cpp_decode(path: Path, prompt: list[int], tokens: int, threads: int) -> float:
+    """llama.cpp's batch-1 decode, tokens/s between the first and the last generated
+    token (the timing every peer gets). Greedy; EOS does not stop `generate`."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+    try:
+        speeds = []
+        for _ in range(2):  # the first run warms up
+            times = []
+            for _token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+                times.append(time.perf_counter())
+                if len(times) == tokens:
+                    break
+            speeds.append((tokens - 1) / (times[-1] - times[0]))
+        return speeds[-1]
+    finally:
+        llm.close()

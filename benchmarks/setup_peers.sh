@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Build the benchmarks' peers, once, under the compilecore cache directory (never in CI):
+#   - llama.cpp from the tree vendored in llama-cpp-python's source distribution:
+#     libllama (shared), llama-batched-bench, llama-bench and llama-server (cmake, ~6 min)
+#   - llama-cpp-python's Python binding from the same source distribution, pointed at
+#     that libllama (LLAMA_CPP_LIB_PATH) instead of compiling llama.cpp a second time
+#   - the default model's safetensors converted to BF16 and Q8_0 GGUF with that tree's
+#     own convert_hf_to_gguf.py (same weights for every peer)
+# Safe to run again: each step is skipped when its output exists.
+# `compilecore bench latency|throughput|serve` find the peers through benchmarks/peers.py.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$root/scripts/setup.sh"
+version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+cache="$(python -c 'from compilecore.config import cache_root; print(cache_root())')"
+peers="$cache/peers"
+src="$peers/llama_cpp_python-$version"
+build="$peers/llama.cpp-build"
+mkdir -p "$peers"
+
+if [ ! -d "$src" ]; then
+    echo "[peers] downloading llama-cpp-python $version (source distribution)" >&2
+    python -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$peers"
+    tar xzf "$peers/llama_cpp_python-$version.tar.gz" -C "$peers"
+fi
+
+if [ ! -x "$build/bin/llama-batched-bench" ] || [ ! -f "$build/bin/libllama.so" ]; then
+    echo "[peers] building llama.cpp (cmake, Release, native ISA; ~6 min on 2 cores)" >&2
+    cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF >/dev/null
+    cmake --build "$build" -j"$(nproc)" \
+        --target llama llama-batched-bench llama-bench llama-server >/dev/null
+fi
+
+if ! python -m pip show -q llama-cpp-python >/dev/null 2>&1; then
+    echo "[peers] installing the llama-cpp-python binding (library from the cmake build)" >&2
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" python -m pip install -q --no-deps "$src"
+    python -m pip install -q "typing-extensions>=4.5" "numpy>=1.20" "diskcache>=5.6" "jinja2>=2.11"
+fi
+# The binding loads libllama from its own lib/ folder: link the cmake build's libraries there.
+lib="$(python -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llama_cpp").origin))')/lib"
+mkdir -p "$lib"
+ln -sf "$build"/bin/lib*.so* "$lib"/
+python -c "import llama_cpp" || { echo "[peers] llama_cpp does not import" >&2; exit 1; }
+
+python -m pip install -q sentencepiece "protobuf>=4"
+model="$(python -c 'from models.default_model import ensure_default_model; print(ensure_default_model())')"
+for outtype in bf16 q8_0; do
+    gguf="$peers/smollm2-135m-instruct-$outtype.gguf"
+    if [ ! -f "$gguf" ]; then
+        echo "[peers] converting the default model to $outtype GGUF" >&2
+        PYTHONPATH="$src/vendor/llama.cpp/gguf-py" python "$src/vendor/llama.cpp/convert_hf_to_gguf.py" \
+            "$model" --outtype "$outtype" --outfile "$gguf.tmp" >/dev/null 2>&1
+        mv "$gguf.tmp" "$gguf"
+    fi
+done
+echo "[peers] ready in $peers" >&2

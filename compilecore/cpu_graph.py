@@ -1,0 +1,244 @@
+"""CPU graphs: a forward's native calls recorded once, then replayed by one C call.
+
+The CPU counterpart of CUDA graphs. At a static token count (`compile_sizes`) every
+piece is one or more Inductor C++ kernels, attention is a C++ kernel, and everything
+between them in Python (piece calls, wrapper frames, buffer allocation, the op's
+dispatch) only decides which pointers the kernels get. Those pointers are the same on
+every step at that size: weights, the KV cache, the runner's persistent input and
+metadata buffers, and the intermediate buffers, which the graph keeps alive. So the
+capture runs the forward once with
+
+- every Inductor kernel (the `kernel` entry of each generated module) swapped for a
+  recorder of its C function and arguments,
+- native ops (attention) recording their own C calls (`record_native_call`),
+- a dispatch mode that refuses any other aten op that computes (an extern GEMM, a
+  fallback), and a profile hook that counts kernel calls the recorders missed,
+
+and the replay calls the recorded functions in order from C: no Python between kernels.
+
+Unfused (one decode step at batch 1, SmolLM2: ~130 Python-level calls):
+
+    piece_0(...) -> attention op -> piece_1(...) -> ... -> piece_60(...) -> lm_head(...)
+
+Replayed:
+
+    run_program(program, n)   # n recorded C calls, arguments baked in
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from compilecore.native import load_library
+
+logger = logging.getLogger("compilecore")
+
+MAX_ARGS = 96  # arguments of one recorded call (Inductor kernels of one piece: ~25)
+
+
+class CpuGraphUnsupported(RuntimeError):
+    """The forward does something a replay could not repeat (the reason says what)."""
+
+
+def _executor_source() -> str:
+    cases = []
+    for n in range(MAX_ARGS + 1):
+        params = ", ".join(["i64"] * n)
+        args = ", ".join(f"a[{i}]" for i in range(n))
+        cases.append(f"    case {n}: reinterpret_cast<void (*)({params})>(fn)({args}); break;")
+    body = "\n".join(cases)
+    # Every recorded argument is a pointer or an int64: both travel in the same registers
+    # (and stack slots) in the x86-64 and AArch64 C calling conventions.
+    return f"""#include <cstdint>
+typedef int64_t i64;
+extern "C" void run_program(const i64* p, i64 num_calls) {{
+  for (i64 i = 0; i < num_calls; ++i) {{
+    const i64 nargs = p[0];
+    void* fn = reinterpret_cast<void*>(p[1]);
+    const i64* a = p + 2;
+    switch (nargs) {{
+{body}
+    }}
+    p += 2 + nargs;
+  }}
+}}
+"""
+
+
+@functools.cache
+def _executor(root: Path) -> Any:
+    lib = load_library(_executor_source(), "cpu_graph", root, ["-O2", "-shared", "-fPIC"])
+    lib.run_program.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.run_program.restype = None
+    return lib.run_program
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int]]] = []
+        self.keep: list[torch.Tensor] = []
+        self.failure: str | None = None
+        self.kernel_calls = 0
+
+    def record(self, address: int, args: Sequence[Any], what: str) -> None:
+        values = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                self.keep.append(a)  # the replay writes and reads this memory: keep it
+                values.append(a.data_ptr())
+            elif isinstance(a, (bool, int)):
+                values.append(int(a))
+            else:
+                self.fail(f"{what} takes a {type(a).__name__} argument")
+                return
+        if len(values) > MAX_ARGS:
+            self.fail(f"{what} takes {len(values)} arguments (at most {MAX_ARGS})")
+        self.calls.append((address, values))
+
+    def fail(self, reason: str) -> None:
+        self.failure = self.failure or reason
+
+
+_capture: _Capture | None = None
+
+
+def is_capturing() -> bool:
+    return _capture is not None
+
+
+def record_native_call(address: int, args: Sequence[Any], what: str = "a native op") -> None:
+    """Called by ops that run C code (their function's address and its integer or tensor
+    arguments) while a CPU graph is being captured; a no-op otherwise."""
+    if _capture is not None:
+        _capture.record(address, args, what)
+
+
+def refuse(reason: str) -> None:
+    """Called by an op that cannot be replayed from recorded calls: the capture fails
+    with this reason (a no-op outside a capture)."""
+    if _capture is not None:
+        _capture.fail(reason)
+
+
+def _is_inductor_kernel(value: Any) -> bool:
+    return (
+        type(value).__name__ == "builtin_function_or_method"
+        and value.__name__ == "kernel"
+        and str(getattr(getattr(value, "__self__", None), "__file__", "")).endswith(".so")
+    )
+
+
+@functools.cache
+def _kernel_address(path: str) -> int:
+    # The module's shared object also exports the C entry point (`extern "C" kernel`).
+    return ctypes.cast(ctypes.CDLL(path).kernel, ctypes.c_void_p).value
+
+
+class _KernelRecorder:
+    def __init__(self, kernel: Any, capture: _Capture):
+        self.kernel, self.capture = kernel, capture
+        self.address = _kernel_address(kernel.__self__.__file__)
+
+    def __call__(self, *args: Any) -> Any:
+        self.capture.record(self.address, args, "an Inductor kernel")
+        self.capture.kernel_calls += 1
+        return self.kernel(*args)
+
+
+def _inductor_modules() -> list[Any]:
+    from torch._inductor.codecache import PyCodeCache
+
+    return list(getattr(PyCodeCache, "modules", []))
+
+
+class _RefuseCompute(TorchDispatchMode):
+    """Aten ops that only allocate or view are fine; a custom op must have recorded its
+    native calls; anything else computes outside the recording."""
+
+    ALLOCATE = ("empty_strided", "empty", "as_strided", "alias", "detach", "lift_fresh")
+
+    def __init__(self, capture: _Capture):
+        super().__init__()
+        self.capture = capture
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = len(self.capture.calls)
+        out = func(*args, **(kwargs or {}))
+        namespace = getattr(func, "namespace", "aten")
+        name = func.__name__.split(".")[0]
+        if namespace not in ("aten", "prims"):
+            if len(self.capture.calls) == before:
+                self.capture.fail(f"{func} ran without recording a native call")
+        elif not (getattr(func, "is_view", False) or name in self.ALLOCATE):
+            self.capture.fail(f"{func} computes outside a recorded kernel")
+        return out
+
+
+def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
+    """Run `fn` once (its result is real) and record it; (result, graph). Raises
+    CpuGraphUnsupported, naming what could not be recorded."""
+    global _capture
+    if _capture is not None:
+        raise RuntimeError("a CPU graph capture is already running")
+    cap = _capture = _Capture()
+    patched: list[tuple[Any, str, Any]] = []
+    seen = [0]
+
+    def profile(frame, event, arg):
+        if event == "c_call" and _is_inductor_kernel(arg):
+            seen[0] += 1
+
+    try:
+        for module in _inductor_modules():
+            for name, value in list(vars(module).items()):
+                if _is_inductor_kernel(value):
+                    patched.append((module, name, value))
+                    setattr(module, name, _KernelRecorder(value, cap))
+        sys.setprofile(profile)
+        try:
+            with _RefuseCompute(cap):
+                result = fn()
+        finally:
+            sys.setprofile(None)
+    finally:
+        for module, name, value in patched:
+            setattr(module, name, value)
+        _capture = None
+    if cap.failure is None and seen[0] != cap.kernel_calls:
+        missed = seen[0] - cap.kernel_calls
+        cap.fail(f"{missed} Inductor kernel call(s) came from modules that were not recorded")
+    if cap.failure is None and not cap.calls:
+        cap.fail("nothing was recorded")
+    if cap.failure is not None:
+        raise CpuGraphUnsupported(cap.failure)
+    return result, CpuGraph(cap.calls, cap.keep, result, _executor(cache_root))
+
+
+class CpuGraph:
+    """A recorded forward. `replay()` reruns it on whatever the captured input buffers
+    hold now and returns the captured outputs (rewritten in place)."""
+
+    def __init__(self, calls: list[tuple[int, list[int]]], keep: list, outputs: Any, run):
+        flat: list[int] = []
+        for address, args in calls:
+            flat += [len(args), address, *args]
+        self.program = torch.tensor(flat, dtype=torch.int64)
+        self.num_calls = len(calls)
+        self.keep, self.outputs, self._run = keep, outputs, run
+        self._program_ptr = self.program.data_ptr()
+
+    def replay(self) -> Any:
+        self._run(self._program_ptr, self.num_calls)
+        return self.outputs
+
+    def __repr__(self) -> str:
+        return f"CpuGraph({self.num_calls} calls, {len(self.keep)} buffers)"

@@ -1,0 +1,58 @@
+"""CPU weights in transparent huge pages.
+
+Batch-1 decode streams every weight once per token. With 4 KiB pages that is ~66,000
+pages a step, each a TLB miss and a page walk in the middle of a stream; in 2 MiB pages
+it is ~130. Linux gives anonymous memory huge pages only where asked (`madvise` mode, the
+common default), so the parameters are copied once into one 2 MiB-aligned arena advised
+with MADV_HUGEPAGE before the model is compiled (benchmarks/NOTES.md, section 13).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("compilecore")
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def _madvise_huge(address: int, length: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(address, length, MADV_HUGEPAGE) == 0
+
+
+def pack_parameters(module: nn.Module) -> int:
+    """Move every CPU parameter of `module` into one huge-page arena (same values, same
+    Parameter objects); returns the bytes moved, 0 where the kernel refuses the advice."""
+    params = [p for p in dict.fromkeys(module.parameters()) if p.device.type == "cpu"]
+    params = [p for p in params if p.is_contiguous() and p.numel()]
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() * p.element_size() // 64) * 64  # 64-byte aligned rows
+    if total < HUGE_PAGE:
+        return 0
+    length = -(-total // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside `raw`
+    raw = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
+    start = -raw.data_ptr() % HUGE_PAGE
+    if not _madvise_huge(raw.data_ptr() + start, length):
+        logger.info("madvise(MADV_HUGEPAGE) refused: weights stay in normal pages")
+        return 0
+    arena = raw[start : start + total]
+    with torch.no_grad():
+        for p, offset in zip(params, offsets):
+            nbytes = p.numel() * p.element_size()
+            view = arena[offset : offset + nbytes].view(p.dtype).view(p.shape)
+            view.copy_(p.data)  # the first touch: the kernel backs it with huge pages
+            p.data = view
+    return total

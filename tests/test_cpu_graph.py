@@ -1,0 +1,160 @@
+"""CPU graphs (compilecore/cpu_graph.py): a decode step's native calls recorded once and
+replayed from C. The oracle is the same compiled engine without graphs (and HF); the
+capture must refuse anything it could not replay, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compilecore import cpu_graph
+from compilecore.compile_cache import compile_cache_root
+from runtime import LLM, SamplingParams
+from runtime.huge_pages import pack_parameters
+from tests.helpers import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 31, 8]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_llama, tmp_path_factory):
+    """One compiled bf16 engine whose CPU graph is switched on and off between runs."""
+    cache = tmp_path_factory.mktemp("cpu_graph_cache")
+    return LLM(
+        str(tiny_llama[0]),
+        dtype="bfloat16",
+        block_size=4,  # 40 tokens cross many blocks: the replay must follow the table
+        compilation_config={"cache_dir": str(cache)},
+    )
+
+
+def _tokens(llm: LLM, params=GREEDY) -> list[int]:
+    return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_decode_replays_one_graph_equal_to_piecewise(compiled):
+    runner = compiled.llm_engine.runner
+    runner.cpu_graphs.clear()
+    with_graph = _tokens(compiled)
+    graph = runner.cpu_graphs[1]
+    assert isinstance(graph, cpu_graph.CpuGraph)
+    layers = compiled.engine_config.model_config.hf_config.num_hidden_layers
+    # one Inductor kernel per piece (layers + 1), a KV write and a decode per layer, the
+    # LM head: nothing else runs in a decode step
+    assert graph.num_calls == (layers + 1) + 2 * layers + 1
+    runner.cpu_graphs[1] = None  # piece by piece, through Python
+    assert _tokens(compiled) == with_graph
+    runner.cpu_graphs[1] = graph
+
+
+def test_replayed_logits_equal_piecewise_logits_every_step(compiled):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    runner = compiled.llm_engine.runner
+    replayed = compiled.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert isinstance(runner.cpu_graphs[1], cpu_graph.CpuGraph)
+    saved, runner.cpu_graphs[1] = runner.cpu_graphs[1], None
+    piecewise = compiled.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    runner.cpu_graphs[1] = saved
+    assert replayed.token_ids == piecewise.token_ids
+    for got, want in zip(replayed.logprobs, piecewise.logprobs):
+        assert got.keys() == want.keys()
+        for token in want:
+            assert abs(float(got[token]) - float(want[token])) < 1e-6
+
+
+def test_graph_matches_hf_in_fp32(tiny_llama, tmp_path):
+    path, hf = tiny_llama
+    llm = LLM(str(path), compilation_config={"cache_dir": str(tmp_path)})
+    got = _tokens(llm, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert isinstance(llm.llm_engine.runner.cpu_graphs[1], cpu_graph.CpuGraph)
+    assert got == hf_greedy(hf, PROMPT, 24)
+
+
+def test_torch_attention_backend_is_refused_and_still_correct(tiny_llama, tmp_path):
+    path, hf = tiny_llama
+    llm = LLM(
+        str(path), attention_backend="torch", compilation_config={"cache_dir": str(tmp_path)}
+    )
+    got = _tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert llm.llm_engine.runner.cpu_graphs[1] is None  # Python attention: not capturable
+    assert got == hf_greedy(hf, PROMPT, 12)
+
+
+def test_capture_refuses_compute_outside_kernels(tmp_path):
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="mm"):
+        cpu_graph.capture(lambda: torch.mm(a, b), tmp_path)
+    assert not cpu_graph.is_capturing()
+
+
+def test_capture_refuses_an_op_that_records_nothing(tmp_path):
+    lib = torch.library.Library("cpu_graph_test", "FRAGMENT")
+    lib.define("double(Tensor x) -> Tensor")
+    lib.impl("double", lambda x: x * 2, "CPU")
+    x = torch.ones(3)
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="without recording"):
+        cpu_graph.capture(lambda: torch.ops.cpu_graph_test.double(x), tmp_path)
+
+
+def test_capture_refuses_an_explicit_refusal_and_empty_programs(tmp_path):
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="nothing was recorded"):
+        cpu_graph.capture(lambda: None, tmp_path)
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="prefill"):
+        cpu_graph.capture(lambda: cpu_graph.refuse("prefill runs in Python"), tmp_path)
+
+
+def test_recorded_native_call_is_replayed(tmp_path):
+    """A native op records its C function and arguments; the replay calls it again on
+    whatever its buffers hold then."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    memcpy = ctypes.cast(libc.memcpy, ctypes.c_void_p).value
+    src, dst = torch.arange(8, dtype=torch.float32), torch.zeros(8)
+
+    def step():
+        cpu_graph.record_native_call(memcpy, [dst, src, 32], "memcpy")
+        dst.copy_(src)  # the eager run does the same work (a copy is not a compute op here)
+        return dst
+
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="copy_"):
+        cpu_graph.capture(step, tmp_path)
+
+    def recorded_only():
+        cpu_graph.record_native_call(memcpy, [dst, src, 32], "memcpy")
+        return dst
+
+    _, graph = cpu_graph.capture(recorded_only, tmp_path)
+    src += 100
+    assert torch.equal(graph.replay(), src)
+    assert graph.num_calls == 1
+
+
+def test_cpu_graphs_switch_off(tiny_llama, tmp_path):
+    llm = LLM(
+        str(tiny_llama[0]),
+        compilation_config={"cache_dir": str(tmp_path), "cpu_graphs": False},
+    )
+    _tokens(llm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert llm.llm_engine.runner.cpu_graphs == {}
+    assert compile_cache_root(llm.engine_config) == tmp_path
+
+
+def test_pack_parameters_keeps_values_and_identity():
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = list(model.parameters())
+    x = torch.randn(3, 512)
+    want = model(x)
+    moved = pack_parameters(model)
+    if moved == 0:
+        pytest.skip("this kernel refuses MADV_HUGEPAGE")
+    assert list(model.parameters()) == params  # the same Parameter objects
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name])
+    ptrs = sorted(p.data_ptr() for p in params)
+    assert ptrs[-1] - ptrs[0] < moved  # one arena
+    assert torch.equal(model(x), want)
