@@ -59,6 +59,9 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     max_model_len: int = 2048
     seed: int = 0
+    # transformers' GenerationConfig from generation_config.json, when the folder has one
+    # (the engine takes its extra EOS ids; the LLM its sampling defaults).
+    generation_config: Any = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

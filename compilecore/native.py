@@ -47,7 +47,7 @@ def compiler() -> str:
 
 def library_path(cxx: str, source: str, name: str, root: Path, flags: list[str]) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = "\n".join([source, " ".join(flags), version, cpu_identity()])
+    key = "\n".join([source, " ".join(flags), version, cpu_identity(), "link apart"])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return root / "kernels" / f"{name}_{digest}.so"
 
@@ -56,15 +56,24 @@ def build(cxx: str, source: str, name: str, target: Path, flags: list[str]) -> N
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    src = Path(tmp).with_suffix(".cpp")
+    src, obj = Path(tmp).with_suffix(".cpp"), Path(tmp).with_suffix(".o")
+    # Compile and link apart: linking with -ffast-math pulls in crtfastmath.o, whose
+    # constructor switches the whole process to flush-to-zero / denormals-are-zero the
+    # moment the library is loaded, changing every other float computation in it.
+    compile_flags = [f for f in flags if f != "-shared"]
+    link_flags = ["-shared"] + [f for f in flags if f in ("-fopenmp", "-fPIC")]
     try:
         src.write_text(source)
-        proc = subprocess.run([cxx, *flags, str(src), "-o", tmp], capture_output=True, text=True)
-        if proc.returncode:
-            raise KernelBuildError(f"{cxx} failed to build {name}:\n{proc.stderr[-2000:]}")
+        for cmd in (
+            [cxx, *compile_flags, "-c", str(src), "-o", str(obj)],
+            [cxx, *link_flags, str(obj), "-o", tmp],
+        ):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                raise KernelBuildError(f"{cxx} failed to build {name}:\n{proc.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
-        for leftover in (tmp, src):
+        for leftover in (tmp, src, obj):
             if os.path.exists(leftover):
                 os.unlink(leftover)
 

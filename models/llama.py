@@ -330,6 +330,7 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
         """Load checkpoint tensors (HF names); returns the names of parameters loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        shards: dict[str, set] = {}  # stacked parameter -> the shards loaded into it
         for ckpt_name, tensor in weights:
             if self._skip(ckpt_name):
                 continue
@@ -352,8 +353,27 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                     loader(param, tensor, shard_id)
             except ShapeMismatchError as e:
                 raise WeightLoadError(f"shape mismatch for {ckpt_name!r}: {e}") from None
-            loaded.add(name)
-        return loaded
+            if shard_id is None:
+                loaded.add(name)
+            else:
+                shards.setdefault(name, set()).add(shard_id)
+        return loaded | self._complete_stacked(shards)
+
+    def _complete_stacked(self, shards: dict[str, set]) -> set[str]:
+        """The stacked parameters (qkv_proj, gate_up_proj) whose every shard was in the
+        checkpoint; WeightLoadError naming the checkpoint tensors that were not (a
+        half-loaded parameter would run on uninitialized memory)."""
+        missing = []
+        for name, got in shards.items():
+            for param_part, ckpt_part, sid in self.stacked_params_mapping:
+                if param_part in name and sid not in got:
+                    missing.append(name.replace(param_part, ckpt_part))
+        if missing:
+            raise WeightLoadError(
+                f"the checkpoint lacks {len(missing)} weight(s) of stacked parameters: "
+                + ", ".join(sorted(missing))
+            )
+        return set(shards)
 
 
 def _small_batch_gemv(engine_config: EngineConfig) -> StaticShapeFunction | None:

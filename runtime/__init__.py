@@ -2,7 +2,7 @@
 and the CLI. `from runtime import LLM, SamplingParams`."""
 
 from runtime.llm import LLM
-from runtime.outputs import CompletionOutput, RequestOutput
+from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]

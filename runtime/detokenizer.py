@@ -73,3 +73,16 @@ class IncrementalDetokenizer:
         idx, stop = found
         self.text = self.text[: idx + len(stop)] if self.include_stop else self.text[:idx]
         return stop
+
+
+class NullDetokenizer:
+    """For an engine without a tokenizer (`LLM(skip_tokenizer_init=True)`): no text, so no
+    stop strings either (the LLM refuses them)."""
+
+    text = ""
+
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
+        return None
+
+    def flush(self, check_stop: bool = True) -> str | None:
+        return None

@@ -1,18 +1,23 @@
-"""The engine: one step = schedule, run the model, sample, detokenize, check stops."""
+"""The engine: one step = schedule, run the model, sample, detokenize, check stops.
+
+A step that raises (the model, the sampler, a detokenizer) aborts the requests it
+scheduled, frees their KV blocks and re-raises: the engine keeps serving the others."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from compilecore.config import EngineConfig
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from runtime.executor import LocalExecutor
-from runtime.model_runner import plan_step
+from runtime.model_runner import PromptLogprobRows, plan_step
+from runtime.outputs import Logprob
 from runtime.request import Request
 from runtime.sampler import Sampler
-from runtime.scheduler import Scheduler
+from runtime.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("compilecore")
 
@@ -32,8 +37,9 @@ class LLMEngine:
             engine_config.scheduler_config, engine_config.cache_config, num_blocks
         )
         self.sampler = Sampler(engine_config.model_config.seed)
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.eos_token_ids = _eos_token_ids(engine_config.model_config.hf_config, tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer | NullDetokenizer] = {}
+        self.eos_token_ids = eos_token_ids(engine_config.model_config, tokenizer)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache_config
@@ -58,61 +64,124 @@ class LLMEngine:
 
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
-        self.detokenizers[request.request_id] = IncrementalDetokenizer(
-            self.tokenizer,
-            request.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop_strings,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if self.tokenizer is None:
+            detokenizer: Any = NullDetokenizer()
+        else:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        self.detokenizers[request.request_id] = detokenizer
+        self.requests[request.request_id] = request
         self.scheduler.add_request(request)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop these requests now (finish_reason "abort") and free their KV blocks;
+        unknown or finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            self.detokenizers.pop(rid, None)
+            if req is not None and not req.is_finished:
+                req.finished_time = time.perf_counter()
+                self.scheduler.finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it. If the step raises,
+        the requests it scheduled are aborted first (the others are untouched)."""
         out = self.scheduler.schedule()
         if not out:
             return []
-        plan, sampling = plan_step(out, self.scheduler.block_manager)
+        try:
+            return self._run(out)
+        except BaseException as exc:
+            failed = [s.request.request_id for s in out.scheduled]
+            self.abort_request(failed)
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"compilecore: aborted the requests of the failed step: {failed}")
+            raise
+
+    def _run(self, out: SchedulerOutput) -> list[Request]:
+        plan, sampling, prompt_rows = plan_step(out, self.scheduler.block_manager)
         logits = self.executor.execute(plan)
         self.scheduler.advance(out)
+        for rows in prompt_rows:
+            self._prompt_logprobs(rows, logits[rows.start : rows.start + rows.count])
         if not sampling:
             return []
         requests = [s.request for s in sampling]
-        sampled = self.sampler(
-            logits, [r.sampling_params for r in requests], [r.generator for r in requests]
-        )
+        sampled = self.sampler(logits[: len(requests)], requests, self.eos_token_ids)
         finished = []
         for req, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
             req.append_token(token)
             if logprobs is not None:
-                req.output_logprobs.append(logprobs)
+                req.output_logprobs.append(self._logprob_objects(logprobs))
             if self._check_stop(req, token):
                 finished.append(req)
         return finished
+
+    def _prompt_logprobs(self, rows: PromptLogprobRows, logits) -> None:
+        """Logprobs of the prompt tokens after `rows.first` (the raw distribution, as for
+        sampled tokens): the sampled-token entry is the prompt's actual next token."""
+        req = rows.request
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)  # nothing predicts the first prompt token
+        n = req.sampling_params.prompt_logprobs
+        logprobs = logits.float().log_softmax(dim=-1)
+        nxt = req.prompt_token_ids[rows.first + 1 : rows.first + 1 + rows.count]
+        top_vals, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
+        for j, token in enumerate(nxt):
+            if rows.first + j + 1 < len(req.prompt_logprobs):
+                continue  # recomputed after a preemption: already recorded
+            value = logprobs[j, token]
+            entry = {token: (value.item(), int((logprobs[j] > value).sum().item()) + 1)}
+            if n:
+                pairs = zip(top_ids[j].tolist(), top_vals[j].tolist())
+                entry.update({t: (v, r + 1) for r, (t, v) in enumerate(pairs)})
+            req.prompt_logprobs.append(self._logprob_objects(entry))
+
+    def _logprob_objects(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        def text(token: int) -> str | None:
+            if self.tokenizer is None:
+                return None
+            return self.tokenizer.decode([token], skip_special_tokens=False)
+
+        return {t: Logprob(v, rank, text(t)) for t, (v, rank) in entry.items()}
 
     def _check_stop(self, req: Request, token: int) -> bool:
         params = req.sampling_params
         n_out = len(req.output_token_ids)
         may_stop = n_out >= params.min_tokens
-        stop_str = self.detokenizers[req.request_id].append(token, check_stop=may_stop)
+        detokenizer = self.detokenizers[req.request_id]
         reason: str | None = None
         if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif may_stop and params.stop_token_ids and token in params.stop_token_ids:
             reason, req.stop_reason = "stop", token
-        elif stop_str is not None:
-            reason, req.stop_reason = "stop", stop_str
-        elif (params.max_tokens is not None and n_out >= params.max_tokens) or (
-            req.num_tokens >= self.config.model_config.max_model_len
+        # A stop token's text stays out of the output unless asked for (vLLM).
+        if reason is None or params.include_stop_str_in_output:
+            stop_str = detokenizer.append(token, check_stop=may_stop)
+            if stop_str is not None and reason is None:
+                reason, req.stop_reason = "stop", stop_str
+        if reason is None and (
+            (params.max_tokens is not None and n_out >= params.max_tokens)
+            or req.num_tokens >= self.config.model_config.max_model_len
         ):
             reason = "length"
         if reason is None:
             return False
-        if stop_str is None:
-            self.detokenizers[req.request_id].flush(check_stop=may_stop)
+        if not isinstance(req.stop_reason, str):  # text held back may still end in a stop
+            flushed = detokenizer.flush(check_stop=may_stop)
+            if flushed is not None:
+                reason, req.stop_reason = "stop", flushed
         req.finished_time = time.perf_counter()
         self.scheduler.finish(req, reason)
         return True
@@ -122,16 +191,21 @@ class LLMEngine:
 
     def release(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
+        self.requests.pop(request_id, None)
 
 
-def _eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+def eos_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
+    """EOS ids from the tokenizer, the model config and generation_config.json (which
+    often lists extra ones, such as a chat model's end-of-turn token)."""
     ids: set[int] = set()
-    for source in (
+    sources = [
         getattr(tokenizer, "eos_token_id", None),
-        getattr(hf_config, "eos_token_id", None),
-    ):
+        getattr(model_config.hf_config, "eos_token_id", None),
+        getattr(getattr(model_config, "generation_config", None), "eos_token_id", None),
+    ]
+    for source in sources:
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):
-            ids.update(source)
+            ids.update(int(t) for t in source)
     return frozenset(ids)

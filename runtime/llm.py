@@ -33,28 +33,58 @@ from runtime.sampling_params import SamplingParams
 PromptType = str | list[int] | dict
 
 
+EXECUTOR_BACKENDS = {None: "mp", "mp": "mp", "uni": "uni", "external": "external",
+                     "external_launcher": "external"}  # fmt: skip
+# generation_config.json fields that become sampling defaults (vLLM's list and names).
+GENERATION_DEFAULTS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
 class LLM:
     def __init__(
         self,
         model: str | None = None,
         *,
         tokenizer: str | None = None,
-        distributed_executor_backend: str = "mp",
+        skip_tokenizer_init: bool = False,
+        distributed_executor_backend: str | None = None,
+        max_logprobs: int = 20,
         **engine_args: Any,
     ):
         """`engine_args`: see `build_engine_config` (dtype, max_model_len, max_num_seqs,
         max_num_batched_tokens, block_size, kv_cache_memory, enable_prefix_caching,
         attention_backend, enforce_eager, compilation_config, tensor_parallel_size,
         pipeline_parallel_size, seed, device). `distributed_executor_backend="external"`
-        joins ranks that torchrun started (see runtime/launch.py)."""
+        joins ranks that torchrun started (see runtime/launch.py). `max_logprobs` caps
+        `logprobs` and `prompt_logprobs` (vLLM's default, 20)."""
+        if distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend={distributed_executor_backend!r} is not supported"
+                f"; use one of {sorted(k for k in EXECUTOR_BACKENDS if k)} (or None)"
+            )
+        if not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+        self.max_logprobs = max_logprobs
         self.engine_config = build_engine_config(model, **engine_args)
         model_dir = self.engine_config.model_config.model
-        self.tokenizer = _load_tokenizer(tokenizer or model_dir)
+        backend = EXECUTOR_BACKENDS[distributed_executor_backend]
+        world_size = self.engine_config.parallel_config.world_size
+        if backend == "uni" and world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one process, but tensor x pipeline "
+                f"parallel size is {world_size}: use 'mp'"
+            )
+        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or model_dir)
         executor = None
-        if self.engine_config.parallel_config.world_size > 1:
+        if world_size > 1:
             validate_parallel_config(self.engine_config)
-            external = distributed_executor_backend == "external"
-            executor = MultiprocExecutor(self.engine_config, external=external)
+            executor = MultiprocExecutor(self.engine_config, external=backend == "external")
         try:
             self.llm_engine = LLMEngine(self.engine_config, self.tokenizer, executor)
         except BaseException:
@@ -71,6 +101,16 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's defaults overridden by the model's generation_config.json (the fields it
+        sets among temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)."""
+        config = self.engine_config.model_config.generation_config
+        if config is None:
+            return SamplingParams()
+        given = config.to_diff_dict() if hasattr(config, "to_diff_dict") else vars(config)
+        kwargs = {ours: given[hf] for hf, ours in GENERATION_DEFAULTS.items() if hf in given}
+        return SamplingParams(**kwargs)
+
     # -- generation -----------------------------------------------------------------------
     def generate(
         self,
@@ -79,17 +119,31 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompt_list))
-        # Everything is checked before any request is added: a bad prompt costs nothing.
+        # Everything is checked before any request is added: a bad prompt or parameter
+        # costs nothing and leaves nothing behind.
         token_lists = [self._tokenize(i, p) for i, p in enumerate(prompt_list)]
-        ids = []
-        for tokens, sp in zip(token_lists, params):
-            request_id = str(next(self._counter))
-            ids.append(request_id)
-            for index in range(sp.n):
-                child = sp if sp.n == 1 else sp.for_sample(index)
-                self.llm_engine.add_request(Request(f"{request_id}-{index}", tokens, child))
-        finished = self._run(sum(p.n for p in params), use_tqdm)
+        for i, sp in enumerate(params):
+            self._validate_params(i, sp)
+        ids, added = [], []
+        try:
+            for tokens, sp in zip(token_lists, params):
+                request_id = str(next(self._counter))
+                ids.append(request_id)
+                bad_words = self._bad_words_token_ids(sp)
+                for index in range(sp.n):
+                    child = sp if sp.n == 1 else sp.for_sample(index)
+                    req = Request(f"{request_id}-{index}", tokens, child)
+                    req.bad_words_token_ids = bad_words
+                    self.llm_engine.add_request(req)
+                    added.append(req.request_id)
+            finished = self._run(added, use_tqdm)
+        except BaseException:
+            # A failed step or Ctrl-C: this call's requests go, the LLM stays usable.
+            self.llm_engine.abort_request(added)
+            raise
         return [
             self._make_output(rid, _prompt_text(prompt), tokens, sp.n, finished)
             for rid, prompt, tokens, sp in zip(ids, prompt_list, token_lists, params)
@@ -100,25 +154,67 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        """One conversation or a list of them (a batch), vLLM's options."""
+        if not messages:
+            raise ValueError("messages is empty: pass a conversation or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [
+            self.apply_chat_template(
+                c, add_generation_prompt, chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )  # fmt: skip
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(
-        self, conversation: list[dict], add_generation_prompt: bool = True
+        self,
+        conversation: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> dict:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template: use generate()")
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this LLM was made with skip_tokenizer_init")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template: pass chat_template= or use "
+                "generate()"
+            )
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: the "
+                "first continues the last message, the second starts a new one"
+            )
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation,
+            tokenize=False,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
         )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
     # -- internals ------------------------------------------------------------------------
     def _tokenize(self, index: int, prompt: PromptType) -> list[int]:
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            text = prompt.get("prompt")
+        if text is not None and self.tokenizer is None:
+            raise ValueError(
+                f"prompt {index} is text, but this LLM has no tokenizer (skip_tokenizer_init"
+                "=True): pass token ids, e.g. {'prompt_token_ids': [...]}"
+            )
         if isinstance(prompt, str):
             tokens = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, dict):
@@ -150,11 +246,40 @@ class LLM:
             )
         return tokens
 
-    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, Request]:
+    def _validate_params(self, index: int, sp: SamplingParams) -> None:
+        where = f"sampling_params for prompt {index}"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(sp, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"{where}: {name}={value} exceeds max_logprobs={self.max_logprobs} "
+                    "(raise LLM(max_logprobs=...) to allow more)"
+                )
+        vocab = self.engine_config.model_config.hf_config.vocab_size
+        bad = next((t for t in sp.token_ids_used() if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if self.tokenizer is None and (sp.stop_strings or sp.bad_words):
+            raise ValueError(
+                f"{where}: stop strings and bad_words need a tokenizer (skip_tokenizer_init)"
+            )
+
+    def _bad_words_token_ids(self, sp: SamplingParams) -> list[list[int]]:
+        """Each bad word as tokens, alone and after a space (as vLLM bans them)."""
+        words: list[list[int]] = []
+        for word in sp.bad_words or []:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        return words
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, Request]:
         engine, finished = self.llm_engine, {}
         bar = tqdm(
-            total=num_requests, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
-        )
+            total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+            dynamic_ncols=True,
+        )  # fmt: skip
         generated = 0
         try:
             while engine.has_unfinished_requests():
@@ -180,14 +305,14 @@ class LLM:
                     index=i,
                     text=self.llm_engine.output_text(req.request_id),
                     token_ids=list(req.output_token_ids),
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                    logprobs=logprobs,
                     cumulative_logprob=(
-                        sum(lp[t] for lp, t in zip(logprobs, req.output_token_ids))
+                        sum(lp[t].logprob for lp, t in zip(logprobs, req.output_token_ids))
                         if logprobs
                         else None
                     ),
+                    logprobs=logprobs,
+                    finish_reason=req.finish_reason,
+                    stop_reason=req.stop_reason,
                 )
             )
             self.llm_engine.release(req.request_id)
@@ -201,7 +326,11 @@ class LLM:
             num_generated_tokens=sum(len(c.output_token_ids) for c in children),
             num_cached_tokens=first.num_cached_tokens,
         )
-        return RequestOutput(rid, prompt, tokens, outputs, True, metrics)
+        return RequestOutput(
+            rid, prompt, tokens, outputs, True, metrics,
+            prompt_logprobs=first.prompt_logprobs or None,
+            num_cached_tokens=first.num_cached_tokens,
+        )  # fmt: skip
 
 
 def build_engine_config(
@@ -241,7 +370,10 @@ def build_engine_config(
             model=str(model_dir),
             hf_config=hf_config,
             dtype=resolve_dtype(dtype, checkpoint_dtype(hf_config)),
-            max_model_len=max_model_len or hf_config.max_position_embeddings,
+            max_model_len=(
+                hf_config.max_position_embeddings if max_model_len is None else max_model_len
+            ),
+            generation_config=_load_generation_config(model_dir),
             seed=seed,
         ),
         cache_config=CacheConfig(
@@ -301,3 +433,14 @@ def _load_tokenizer(path: str | Path) -> Any:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
+
+
+def _load_generation_config(path: Path) -> Any:
+    if not (path / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path / 'generation_config.json'}: {e}") from e

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,15 +48,27 @@ class StepPlan:
         return self.query_starts[-1]
 
 
+@dataclass
+class PromptLogprobRows:
+    """Logits rows [start, start + count) of a step: the request's prompt positions
+    `first`.. (each row predicts the prompt token after it)."""
+
+    request: Any
+    start: int
+    count: int
+    first: int
+
+
 def plan_step(
     out: SchedulerOutput, block_manager: BlockManager
-) -> tuple[StepPlan, list[ScheduledRequest]]:
-    """The step's plan, and the scheduled requests whose rows sample (in logits order)."""
+) -> tuple[StepPlan, list[ScheduledRequest], list[PromptLogprobRows]]:
+    """The step's plan, the scheduled requests whose rows sample (the first logits rows,
+    in order), and the rows after them that prompt logprobs need."""
     order = [s for s in out.scheduled if s.num_new_tokens == 1]
     plan = StepPlan(num_decodes=len(order))
     order += [s for s in out.scheduled if s.num_new_tokens != 1]
     bs = block_manager.block_size
-    sampling = []
+    sampling, prompt_rows = [], []
     for s in order:
         req, begin = s.request, s.request.num_computed_tokens
         end = begin + s.num_new_tokens
@@ -69,7 +82,20 @@ def plan_step(
         if s.samples:
             plan.logits_rows.append(plan.query_starts[-1] - 1)
             sampling.append(s)
-    return plan, sampling
+        if req.sampling_params.prompt_logprobs is not None and begin < req.num_prompt_tokens - 1:
+            last = min(end, req.num_prompt_tokens - 1)  # the last prompt row predicts output
+            prompt_rows.append(PromptLogprobRows(req, 0, last - begin, begin))
+    start = len(plan.logits_rows)
+    for rows in prompt_rows:
+        first_row = plan.query_starts[order.index(_scheduled_of(order, rows.request))]
+        rows.start = start
+        plan.logits_rows += range(first_row, first_row + rows.count)
+        start += rows.count
+    return plan, sampling, prompt_rows
+
+
+def _scheduled_of(order: list[ScheduledRequest], request: Any) -> ScheduledRequest:
+    return next(s for s in order if s.request is request)
 
 
 class ModelRunner:

@@ -6,14 +6,31 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """vLLM's `Logprob`: a token's log-probability in the raw distribution, its rank there
+    (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" or "length"
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -46,3 +63,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_logprobs: list[dict[int, Any]] = field(default_factory=list)  # of outputs.Logprob
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     num_preemptions: int = 0
@@ -33,14 +34,16 @@ class Request:
     stop_reason: str | int | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Made by the sampler on the logits' device for a request with a seed.
     generator: torch.Generator | None = None
+    # Each bad word as token ids (with and without a leading space), set by the LLM.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Any] | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # One list for prompt and output, appended in place: the block hashes and the
         # model runner read it every step.
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,24 @@
-"""Turns the logits of the rows that sample into tokens.
+"""Turns the logits of the rows that sample into tokens, in vLLM's order.
 
-Greedy rows take the argmax. Other rows are scaled by temperature, filtered by top-k,
-top-p and min-p, and sampled by the exponential race (argmax of p / q with q ~ Exp(1)),
-which equals sampling from p. A request with a seed draws its noise from its own
-generator, so its tokens do not depend on what else is in the batch.
+Per row, on fp32 logits (`process_logits`), each step only where the request asks for it:
+
+1. `allowed_token_ids`: every other token -> -inf
+2. `bad_words`: the last token of a banned word whose earlier tokens end the output -> -inf
+3. `logit_bias`: added (vLLM clamps each bias to [-100, 100])
+4. `min_tokens`: EOS and `stop_token_ids` -> -inf until that many tokens were generated
+5. penalties: `repetition_penalty` over prompt and output tokens (positive logits divided,
+   negative ones multiplied, as HF and vLLM do), then `frequency_penalty` x the token's
+   count in the output and `presence_penalty` once for any token in the output
+
+Greedy rows then take the argmax. Sampling rows are divided by their temperature, then
+(`filter_logits`) min-p drops tokens below `min_p` x the top probability, top-k keeps the k
+largest, and top-p keeps the smallest prefix of the distribution renormalized after top-k
+whose mass reaches `top_p`; the token is drawn by the exponential race (argmax of p / q,
+q ~ Exp(1)), which equals sampling from p. A request with a seed draws its noise from its
+own generator, on the logits' device, so its tokens do not depend on the rest of the batch.
+
+Logprobs are those of the raw distribution, before any of the above (vLLM's default
+`logprobs_mode="raw_logprobs"`), with each token's rank in it (1 = most likely).
 """
 
 from __future__ import annotations
@@ -12,101 +27,152 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.request import Request
 from runtime.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: {token id: logprob} of the top-n tokens and the sampled one, or None.
-    logprobs: list[dict[int, float] | None]
+    # Per row: {token id: (logprob, rank)} of the top-n tokens and the sampled one, or None.
+    logprobs: list[dict[int, tuple[float, int]] | None]
 
 
-def _apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    drop = ranks >= top_k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+def process_logits(logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]) -> None:
+    """Steps 1-5 above, in place, on the rows of requests that use any of them."""
+    for i, req in enumerate(requests):
+        p = req.sampling_params
+        if not (p.has_logits_processing or len(req.output_token_ids) < p.min_tokens):
+            continue
+        row = logits[i]
+        if p.allowed_token_ids:
+            keep = row.new_full(row.shape, NEG_INF)
+            keep[list(p.allowed_token_ids)] = 0.0
+            row += keep
+        out = req.output_token_ids
+        for word in req.bad_words_token_ids:
+            if len(word) == 1 or out[len(out) - len(word) + 1 :] == word[:-1]:
+                row[word[-1]] = NEG_INF
+        if p.logit_bias:
+            ids = list(p.logit_bias)
+            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=row.dtype)
+        if len(out) < p.min_tokens:
+            stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_ids))
+            if stops:
+                row[sorted(stops)] = NEG_INF
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(out)), dtype=torch.long)
+            vals = row[seen]
+            rp = p.repetition_penalty
+            row[seen] = torch.where(vals > 0, vals / rp, vals * rp)
+        if (p.frequency_penalty or p.presence_penalty) and out:
+            counts = torch.bincount(torch.tensor(out), minlength=row.shape[0])[: row.shape[0]]
+            row -= p.frequency_penalty * counts.to(row.dtype)
+            row -= p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then min-p, top-k and top-p (renormalized after top-k): the logits of
+    the tokens each row may still draw, -inf elsewhere."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature[:, None]
+    if any(p.min_p > 0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        probs = logits.softmax(dim=-1)
+        drop = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(drop, NEG_INF)
+    if any(p.uses_top_k or p.top_p < 1.0 for p in params):
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.uses_top_k else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], NEG_INF)
+        probs = sorted_logits.softmax(dim=-1)  # renormalized over what top-k kept
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
 
 
 class Sampler:
     def __init__(self, seed: int = 0):
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[device]
 
     def __call__(
         self,
         logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        requests: list[Request],
+        eos_ids: frozenset[int] = frozenset(),
     ) -> SamplerOutput:
+        params = [r.sampling_params for r in requests]
         logits = logits.float()
+        raw = logits
+        if any(p.has_logits_processing or p.min_tokens for p in params):
+            logits = logits.clone()
+            process_logits(logits, requests, eos_ids)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if logits.device.type == "cpu" and not random_rows:
             # numpy's argmax is vectorized; torch's takes ~10x longer on a 49k vocabulary,
             # which is a visible share of a batch-1 decode step. Ties: the first index.
             token_list = logits.numpy().argmax(axis=-1).tolist()
-            return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
-        greedy = logits.argmax(dim=-1)
-        tokens = greedy
+            return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
+        tokens = logits.argmax(dim=-1)
         if random_rows:
-            tokens = greedy.clone()
             rows = torch.tensor(random_rows, device=logits.device)
-            sampled = self._sample(
-                logits[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
-            )
-            tokens[rows] = sampled
+            chosen = [requests[i] for i in random_rows]
+            tokens[rows] = self._sample(logits[rows], chosen)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logits, params, token_list))
+        return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
 
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-    ) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temperature[:, None]
-        if any(p.uses_top_k or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor(
-                [p.top_k if p.uses_top_k else vocab for p in params], device=logits.device
-            )
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = filter_logits(logits, [r.sampling_params for r in requests]).softmax(dim=-1)
         noise = torch.empty_like(probs)
-        for i, g in enumerate(generators):
-            noise[i].exponential_(generator=g or self.generator)
-        return (probs / noise).argmax(dim=-1)
+        for i, req in enumerate(requests):
+            noise[i].exponential_(generator=self._generator(req, logits.device))
+        # Exp(1) can return 0 (probability ~2^-24 per draw in fp32): p / 0 would be inf or
+        # nan and win the race whatever p is.
+        return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    def _generator(self, req: Request, device: torch.device) -> torch.Generator:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return self._default_generator(device)
+        if req.generator is None or req.generator.device != device:
+            req.generator = torch.Generator(device=device).manual_seed(seed)
+        return req.generator
 
     @staticmethod
     def _logprobs(
         logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
-    ) -> list[dict[int, float] | None]:
+    ) -> list[dict[int, tuple[float, int]] | None]:
         wanted = [p.logprobs for p in params]
         if all(n is None for n in wanted):
             return [None] * len(params)
-        # Raw model logprobs (before temperature and filtering), as vLLM reports them.
         logprobs = logits.log_softmax(dim=-1)
         top_n = max(n or 0 for n in wanted)
         top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
-        out: list[dict[int, float] | None] = []
+        out: list[dict[int, tuple[float, int]] | None] = []
         for i, n in enumerate(wanted):
             if n is None:
                 out.append(None)
                 continue
-            entry = {tokens[i]: logprobs[i, tokens[i]].item()}
+            value = logprobs[i, tokens[i]]
+            rank = int((logprobs[i] > value).sum().item()) + 1
+            entry = {tokens[i]: (value.item(), rank)}
             if n:
-                entry.update(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
+                ids, vals = top_ids[i, :n].tolist(), top_vals[i, :n].tolist()
+                entry.update({t: (v, r + 1) for r, (t, v) in enumerate(zip(ids, vals))})
             out.append(entry)
         return out
+

@@ -90,7 +90,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits = self.block_manager.get_computed_blocks(req.all_token_ids)
+            # Prompt logprobs need every prompt row computed: no prefix-cache hits.
+            wants_rows = req.sampling_params.prompt_logprobs is not None
+            hits = [] if wants_rows else self.block_manager.get_computed_blocks(req.all_token_ids)
             num_cached = len(hits) * self.block_manager.block_size
             remaining = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:

@@ -100,3 +100,12 @@ def test_engine_greedy_cpu_equals_torch(tiny_llama):
         assert llm.llm_engine.runner.attn_backend.name == name
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs["cpu"] == outs["torch"]
+
+
+def test_loading_the_kernels_keeps_denormals(tmp_path):
+    """Linking with -ffast-math would load crtfastmath.o, which switches the whole process
+    to flush-to-zero: every later float computation (and hypothesis) would change."""
+    load_cpu_kernels.cache_clear()
+    load_cpu_kernels(tmp_path)  # a fresh build
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0
