@@ -7,14 +7,13 @@ field that is wrong.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from passes.config import PassConfig
+from passes.native import cache_root  # noqa: F401 - compilecore's public name
 
 _DTYPES = {
     "float32": torch.float32,
@@ -42,14 +41,6 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Any) -> torch.dtyp
         raise ValueError(f"dtype={dtype!r} is not supported; use one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
 
-
-def cache_root() -> Path:
-    """Where compilecore keeps converted models and compiled artifacts."""
-    env = os.environ.get("COMPILECORE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "compilecore"
 
 
 @dataclass

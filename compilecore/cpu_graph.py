@@ -10,7 +10,8 @@ capture runs the forward once with
 
 - every Inductor kernel (the `kernel` entry of each generated module) swapped for a
   recorder of its C function and arguments,
-- native ops (attention) recording their own C calls (`record_native_call`),
+- native ops (attention, the small-M GEMM) recording their own C calls
+  (`passes.native.record_native_call`),
 - a dispatch mode that refuses any other aten op that computes (an extern GEMM, a
   fallback), and a profile hook that counts kernel calls the recorders missed,
 
@@ -38,7 +39,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compilecore.native import load_library
+from passes import native
+from passes.native import is_capturing, load_library, record_native_call, refuse
+
+__all__ = ["CpuGraph", "CpuGraphUnsupported", "capture", "is_capturing", "record_native_call",
+           "refuse"]  # fmt: skip
 
 logger = logging.getLogger("compilecore")
 
@@ -108,27 +113,6 @@ class _Capture:
         self.failure = self.failure or reason
 
 
-_capture: _Capture | None = None
-
-
-def is_capturing() -> bool:
-    return _capture is not None
-
-
-def record_native_call(address: int, args: Sequence[Any], what: str = "a native op") -> None:
-    """Called by ops that run C code (their function's address and its integer or tensor
-    arguments) while a CPU graph is being captured; a no-op otherwise."""
-    if _capture is not None:
-        _capture.record(address, args, what)
-
-
-def refuse(reason: str) -> None:
-    """Called by an op that cannot be replayed from recorded calls: the capture fails
-    with this reason (a no-op outside a capture)."""
-    if _capture is not None:
-        _capture.fail(reason)
-
-
 def _is_inductor_kernel(value: Any) -> bool:
     return (
         type(value).__name__ == "builtin_function_or_method"
@@ -186,10 +170,10 @@ class _RefuseCompute(TorchDispatchMode):
 def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
     """Run `fn` once (its result is real) and record it; (result, graph). Raises
     CpuGraphUnsupported, naming what could not be recorded."""
-    global _capture
-    if _capture is not None:
+    if native.is_capturing():
         raise RuntimeError("a CPU graph capture is already running")
-    cap = _capture = _Capture()
+    cap = _Capture()
+    native.set_recorder(cap)
     patched: list[tuple[Any, str, Any]] = []
     seen = [0]
 
@@ -212,7 +196,7 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
     finally:
         for module, name, value in patched:
             setattr(module, name, value)
-        _capture = None
+        native.set_recorder(None)
     if cap.failure is None and seen[0] != cap.kernel_calls:
         missed = seen[0] - cap.kernel_calls
         cap.fail(f"{missed} Inductor kernel call(s) came from modules that were not recorded")

@@ -2,7 +2,7 @@
 
 g++ compiles the file once per source, flags and CPU into the compile cache directory
 (`compilation_config.cache_dir`, by default `~/.cache/compilecore/torch_compile`, under
-`kernels/`; see `compilecore.native`). The source has no torch headers, so a cold build
+`kernels/`; see `passes.native`). The source has no torch headers, so a cold build
 takes about a second.
 """
 
@@ -13,7 +13,7 @@ import functools
 from pathlib import Path
 
 from compilecore.config import cache_root
-from compilecore.native import KernelBuildError, load_library
+from passes.native import KernelBuildError, load_library
 
 __all__ = ["KernelBuildError", "load_cpu_kernels"]
 

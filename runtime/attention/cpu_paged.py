@@ -9,14 +9,13 @@ with an online softmax in fp32, one task per (sequence, KV head).
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from compilecore import cpu_graph
+from passes import native
 from runtime.attention.cpu_build import load_cpu_kernels
 from runtime.attention.metadata import AttentionMetadata
 from runtime.attention.torch_paged import TorchPagedAttentionBackend, _plan, _StepPlan
@@ -114,7 +113,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                          step.threads)  # fmt: skip
         if step.prefill is not None:
             self._prefill(layer, q, bound.cache, output, step.prefill)
-        if cpu_graph.is_capturing():
+        if native.is_capturing():
             self._record(bound, step, q, k, v, output)
 
     def _record(self, bound: _Bound, step: _Step, q, k, v, output) -> None:
@@ -122,20 +121,20 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         tables from the same metadata buffers."""
         rows = {name: _rows(t) for name, t in (("q", q), ("k", k), ("v", v))}
         if step.prefill is not None:
-            return cpu_graph.refuse("CPU attention: prefill chunks run in Python")
+            return native.refuse("CPU attention: prefill chunks run in Python")
         if any(rows[n].data_ptr() != t.data_ptr() for n, t in (("q", q), ("k", k), ("v", v))):
-            return cpu_graph.refuse("CPU attention: q/k/v rows are copied per call")
+            return native.refuse("CPU attention: q/k/v rows are copied per call")
         q, k, v = rows["q"], rows["k"], rows["v"]
-        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value  # noqa: E731
+        address = native.function_address
         if step.num_tokens:
-            cpu_graph.record_native_call(
+            native.record_native_call(
                 address(bound.write),
                 [k, k.stride(0), v, v.stride(0), bound.k_cache, bound.v_cache,
                  step.keep[0], step.num_tokens, bound.row],
                 "CPU attention (KV write)",
             )  # fmt: skip
         if step.num_decodes:
-            cpu_graph.record_native_call(
+            native.record_native_call(
                 address(bound.graph_decode),
                 [q, q.stride(0), bound.k_cache, bound.v_cache, step.keep[1],
                  step.block_table_stride, step.keep[2], output, output.stride(0),

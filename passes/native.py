@@ -1,9 +1,15 @@
-"""Build a small C++ source into a shared object in the compile cache and load it.
+"""Native code without torch headers: build it, and report its calls to a recorder.
 
-Used for code that has no torch headers (the CPU attention kernels, the CPU-graph
-executor): g++ builds it in about a second, once per source, flags, compiler and CPU;
-later processes load it in milliseconds. Writes go to a temporary file renamed into
-place, so processes building at the same time never load half a file.
+Building: g++ compiles a small C++ source (the small-M GEMM here, the CPU attention
+kernels, the CPU-graph executor) in about a second, once per source, flags, compiler and
+CPU, into a cache folder; later processes load it in milliseconds. Writes go to a
+temporary file renamed into place, so processes building at the same time never load half
+a file.
+
+Recording: an op that runs C code through ctypes reports each call (the function's
+address and its integer or tensor arguments) with `record_native_call`; while
+`compilecore.cpu_graph` captures a forward it installs a recorder here and replays the
+calls later without Python. Outside a capture the calls cost one global lookup.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("compilecore")
 
@@ -26,6 +34,47 @@ FLAGS += ["-shared", "-fPIC", "-std=c++17"]
 
 class KernelBuildError(RuntimeError):
     pass
+
+
+_recorder: Any = None  # the capture in progress (compilecore.cpu_graph), or None
+
+
+def set_recorder(recorder: Any) -> None:
+    global _recorder
+    _recorder = recorder
+
+
+def is_capturing() -> bool:
+    return _recorder is not None
+
+
+def record_native_call(address: int, args: Sequence[Any], what: str = "a native op") -> None:
+    """Called by ops that run C code, with their function's address and its integer or
+    tensor arguments, while a CPU graph is captured; a no-op otherwise."""
+    if _recorder is not None:
+        _recorder.record(address, args, what)
+
+
+def refuse(reason: str) -> None:
+    """Called by an op that cannot be replayed from recorded calls: the capture fails
+    with this reason (a no-op outside a capture)."""
+    if _recorder is not None:
+        _recorder.fail(reason)
+
+
+def function_address(fn: Any) -> int:
+    """The address of a ctypes function (what `record_native_call` takes)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def cache_root() -> Path:
+    """Where compilecore keeps converted models, compiled artifacts and native code:
+    $COMPILECORE_CACHE_DIR, else $XDG_CACHE_HOME/compilecore or ~/.cache/compilecore."""
+    env = os.environ.get("COMPILECORE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "compilecore"
 
 
 def cpu_identity() -> str:
