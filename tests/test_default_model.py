@@ -26,6 +26,13 @@ def chat_prompt(default_model_dir):
     return tok.encode(text, add_special_tokens=False)
 
 
+def test_auto_dtype_of_the_default_model_is_bf16(default_model_dir):
+    from runtime.llm import build_engine_config
+
+    config = build_engine_config(str(default_model_dir))
+    assert config.model_config.dtype == torch.bfloat16
+
+
 def test_converted_folder_is_complete(default_model_dir):
     assert default_model_dir == default_model.default_model_dir()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
@@ -47,7 +54,7 @@ def test_prefill_logits_match_hf(default_model_dir, hf_default, chat_prompt):
 def test_greedy_answer_matches_hf(default_model_dir, hf_default, chat_prompt):
     from runtime import LLM, SamplingParams
 
-    llm = LLM(str(default_model_dir), enforce_eager=True, max_model_len=512)
+    llm = LLM(str(default_model_dir), dtype="float32", enforce_eager=True, max_model_len=512)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     out = llm.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == hf_greedy(hf_default, chat_prompt, 32)
@@ -59,12 +66,13 @@ def test_compiled_engine_matches_eager(default_model_dir, chat_prompt, tmp_path)
     from runtime import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    eager = LLM(str(default_model_dir), enforce_eager=True, max_model_len=512)
+    eager = LLM(str(default_model_dir), dtype="float32", enforce_eager=True, max_model_len=512)
     want = eager.generate([chat_prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     del eager
     with compilation_counter.expect(num_graphs_seen=1, num_piecewise_graphs_seen=61):
         llm = LLM(
             str(default_model_dir),
+            dtype="float32",
             max_model_len=512,
             compilation_config={"cache_dir": str(tmp_path)},
         )

@@ -135,11 +135,34 @@ def test_verifier_names_a_pass_that_changes_results():
     torch._dynamo.reset()
     module = AddRMSToy(16, 1e-5, 1e-5)
     backend = PassTestBackend(BreakingPass(), verify=True)
-    with pytest.raises(Exception, match="pass breaking_pass: output 0 differs") as info:
+    with pytest.raises(Exception, match="pass breaking_pass on .*: output 0 differs") as info:
         _run(module, backend, torch.randn(4, 16), torch.randn(4, 16))
     assert isinstance(info.value, PassVerificationError) or "PassVerificationError" in repr(
         info.value
     )
+
+
+class NaNPass(GraphPass):
+    """Deliberately wrong in the way a tolerance check misses: the first add's result
+    times NaN (every comparison with NaN is False)."""
+
+    name = "nan_pass"
+
+    def __call__(self, graph):
+        for node in graph.nodes:
+            if node.target is aten.add.Tensor:
+                with graph.inserting_after(node):
+                    nan = graph.call_function(aten.mul.Tensor, (node, float("nan")))
+                node.replace_all_uses_with(nan, delete_user_cb=lambda u, new=nan: u is not new)
+                return 1
+        return 0
+
+
+def test_verifier_rejects_a_pass_that_produces_nan():
+    torch._dynamo.reset()
+    backend = PassTestBackend(NaNPass(), verify=True)
+    with pytest.raises(Exception, match="pass nan_pass on .*: output 0 NaN at"):
+        _run(AddRMSToy(16, 1e-5, 1e-5), backend, torch.randn(4, 16), torch.randn(4, 16))
 
 
 def test_verifier_accepts_a_correct_fusion():
