@@ -1,4 +1,4 @@
-"""`compilecore generate` and `compilecore chat`."""
+"""`compilecore generate | chat | serve | dump | diff | bench`."""
 
 from __future__ import annotations
 
@@ -156,6 +156,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from runtime.async_engine import AsyncLLM
+    from runtime.entrypoints.openai_server import build_app
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.eager,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+    )
+    engine = AsyncLLM(llm, max_waiting=args.max_waiting)
+    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    app = build_app(engine, name, api_key=args.api_key)
+    print(f"compilecore: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    engine.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compilecore",
@@ -220,6 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("b")
     diff.add_argument("--stat", action="store_true", help="the summary only")
     diff.set_defaults(func=cmd_diff)
+
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions (with streaming), "
+        "/v1/models, /health, /metrics, /tokenize and /detokenize.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
+    serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (then 503)")
+    serve.add_argument("--log-level", default="warning")
+    _add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser(
         "bench",

@@ -1,0 +1,223 @@
+"""`AsyncLLM`: the engine for many concurrent clients (vLLM's `AsyncLLM` shape).
+
+One background thread steps the engine while there is work; coroutines add requests and
+receive output deltas as tokens arrive, through an asyncio queue per request. The engine
+itself stays single-threaded: every call into it (step, add, abort) holds one lock, so an
+add or an abort waits for at most the step in flight.
+
+    llm = LLM(...)                         # the offline LLM keeps working as before
+    engine = AsyncLLM(llm)
+    async for delta in engine.generate(prompt, params, "req-1"):
+        ...                                # StreamDelta per step with new tokens/text
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.llm import LLM, PromptType
+from runtime.outputs import Logprob
+from runtime.request import Request
+from runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger("compilecore")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than `max_waiting` allows (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The step that ran this request raised; the request was aborted."""
+
+
+@dataclass
+class StreamDelta:
+    """What one sample (`index`) produced since the last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    children: list[Request]
+    sent_tokens: list[int] = field(default_factory=list)
+    sent_text: list[int] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+    first_token_time: float | None = None
+
+
+class AsyncLLM:
+    def __init__(self, llm: LLM, max_waiting: int = 256):
+        self.llm = llm
+        self.engine = llm.llm_engine
+        self.max_waiting = max_waiting
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.streams: dict[str, _Stream] = {}
+        self.stopped = False
+        self.num_steps = 0
+        self.thread = threading.Thread(target=self._loop, name="compilecore-engine", daemon=True)
+        self.thread.start()
+
+    # -- requests -------------------------------------------------------------------------
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> list[int]:
+        """Validate and tokenize (raises ValueError/TypeError before anything is queued)."""
+        tokens = self.llm._tokenize(0, prompt)
+        self.llm._validate_params(0, params)
+        return tokens
+
+    async def generate(
+        self, prompt: PromptType | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[StreamDelta]:
+        """Deltas as tokens arrive. Cancelling the consumer aborts the request and frees
+        its KV blocks; a failed step raises RequestFailedError here."""
+        async for delta in self.add(prompt, params, request_id):
+            yield delta
+
+    def add(self, prompt: PromptType | list[int], params: SamplingParams, request_id: str):
+        """Queue a request now (ValueError, TypeError or QueueFullError before anything
+        is queued) and return its delta stream, to iterate from this event loop."""
+        tokens = self.prepare(prompt, params)
+        return self._iterate(request_id, self._add(request_id, tokens, params))
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[StreamDelta]:
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    return
+                yield item
+        finally:
+            self.abort(request_id)
+
+    def _add(self, request_id: str, tokens: list[int], params: SamplingParams) -> _Stream:
+        bad_words = self.llm._bad_words_token_ids(params)
+        children = []
+        for index in range(params.n):
+            child = params if params.n == 1 else params.for_sample(index)
+            req = Request(f"{request_id}-{index}", tokens, child)
+            req.bad_words_token_ids = bad_words
+            children.append(req)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), children)
+        stream.sent_tokens = [0] * len(children)
+        stream.sent_text = [0] * len(children)
+        stream.done = [False] * len(children)
+        with self.lock:
+            if request_id in self.streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            if len(self.engine.scheduler.waiting) + params.n > self.max_waiting:
+                raise QueueFullError(
+                    f"{len(self.engine.scheduler.waiting)} requests are waiting (at most "
+                    f"{self.max_waiting}): try again later"
+                )
+            for req in children:
+                self.engine.add_request(req)
+            self.streams[request_id] = stream
+        self.wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (finished or unknown ids are ignored)."""
+        with self.lock:
+            stream = self.streams.pop(request_id, None)
+            if stream is not None:
+                self.engine.abort_request([r.request_id for r in stream.children])
+
+    # -- the stepping thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self.stopped:
+            if not self.wake.wait(timeout=0.5):
+                continue
+            with self.lock:
+                if not self.engine.has_unfinished_requests():
+                    self.wake.clear()
+                    continue
+                try:
+                    self.engine.step()
+                    error = None
+                except Exception as exc:  # the engine aborted the step's requests
+                    logger.exception("engine step failed")
+                    error = exc
+                self.num_steps += 1
+                self._publish(error)
+
+    def _publish(self, error: BaseException | None) -> None:
+        for request_id, stream in list(self.streams.items()):
+            for i, req in enumerate(stream.children):
+                if stream.done[i]:
+                    continue
+                if req.finish_reason == "abort" and error is not None:
+                    failure = RequestFailedError(f"request {request_id} failed: {error}")
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failure)
+                    stream.done = [True] * len(stream.children)
+                    break
+                delta = self._delta(stream, i, req)
+                if delta is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            if all(stream.done):
+                del self.streams[request_id]
+                for req in stream.children:
+                    self.engine.release(req.request_id)
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, None)
+
+    def _delta(self, stream: _Stream, i: int, req: Request) -> StreamDelta | None:
+        tokens = req.output_token_ids
+        text = (
+            self.engine.output_text(req.request_id)
+            if req.request_id in (self.engine.detokenizers)
+            else ""
+        )
+        finished = req.is_finished
+        if not finished and req.sampling_params.stop_strings:
+            # Hold back what could be the start of a stop string: once sent, text cannot
+            # be taken back when the stop completes (vLLM holds back the same).
+            hold = max(len(stop) for stop in req.sampling_params.stop_strings) - 1
+            text = text[: max(stream.sent_text[i], len(text) - hold)]
+        new_tokens = tokens[stream.sent_tokens[i] :]
+        new_text = text[stream.sent_text[i] :]
+        if not new_tokens and not new_text and not finished:
+            return None
+        logprobs = req.output_logprobs[stream.sent_tokens[i] :]
+        stream.sent_tokens[i], stream.sent_text[i] = len(tokens), len(text)
+        if stream.first_token_time is None and tokens:
+            stream.first_token_time = time.perf_counter()
+        if finished:
+            stream.done[i] = True
+        return StreamDelta(
+            index=i,
+            text=new_text,
+            token_ids=list(new_tokens),
+            logprobs=list(logprobs),
+            finish_reason=req.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+        )
+
+    # -- state ----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        scheduler = self.engine.scheduler
+        return {
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "kv_cache_usage": scheduler.block_manager.usage(),
+        }
+
+    def shutdown(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=5)

@@ -1,0 +1,437 @@
+"""`compilecore serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn, the pair vLLM
+uses) on `AsyncLLM`.
+
+Routes: POST /v1/completions, /v1/chat/completions (both streaming as server-sent events
+ending in `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus), POST /tokenize,
+/detokenize. Errors use OpenAI's error JSON: 400 for a bad field or a prompt longer than
+the context (checked before anything is queued), 401 without the API key when one is set
+(compared in constant time), 404 for another model name, 503 when the waiting queue is
+full. A client that disconnects mid-stream aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from runtime.async_engine import AsyncLLM, QueueFullError, RequestFailedError, StreamDelta
+from runtime.entrypoints.metrics import ServerMetrics
+from runtime.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status,
+        }
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="compilecore", docs_url=None, redoc_url=None)
+    server = _Server(engine, served_model_name)
+    protected = ("/v1/", "/tokenize", "/detokenize")
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith(protected):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                server.metrics.count("401")
+                return error_response(401, "missing or wrong API key (Authorization: Bearer)")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        server.metrics.count("400")
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        server.metrics.count(str(exc.status))
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.get("/health")
+    async def health():
+        return PlainTextResponse("")
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics.render(engine.stats()))
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "compilecore",
+            "max_model_len": server.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        server.check_model(body.model)
+        if body.messages is not None:
+            ids = server.chat_prompt(body.messages, True, False, None, None)["prompt_token_ids"]
+        else:
+            tok = engine.llm.tokenizer
+            ids = tok.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": server.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        server.check_model(body.model)
+        return {"prompt": engine.llm.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
+
+    return app
+
+
+class _Server:
+    def __init__(self, engine: AsyncLLM, served_model_name: str):
+        self.engine, self.model_name = engine, served_model_name
+        self.created = int(time.time())
+        self.max_model_len = engine.llm.engine_config.model_config.max_model_len
+        self.metrics = ServerMetrics()
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+            )
+
+    def chat_prompt(self, messages, add_generation_prompt, continue_final, template, kwargs):
+        try:
+            return self.engine.llm.apply_chat_template(
+                [m.text() for m in messages],
+                add_generation_prompt,
+                chat_template=template,
+                continue_final_message=continue_final,
+                chat_template_kwargs=kwargs,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from e
+
+    def start(self, prompts: list[Any], params, prefix: str) -> list[AsyncIterator[StreamDelta]]:
+        """Queue every prompt (all checked first: a bad one queues nothing)."""
+        try:
+            for p in prompts:
+                self.engine.prepare(p, params)
+            return [self.engine.add(p, params, f"{prefix}-{i}") for i, p in enumerate(prompts)]
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e)) from e
+        except QueueFullError as e:
+            raise APIError(503, str(e)) from e
+
+    # -- /v1/completions ------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request):
+        self.check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        params = self._params(body, body.max_tokens, body.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = self.start(prompts, params, rid)
+        n = params.n
+        lengths = [len(self.engine.prepare(p, params)) for p in prompts]
+        texts = {i: (p if isinstance(p, str) else "") for i, p in enumerate(prompts)}
+
+        def choice(k: int, d: StreamDelta, text: str) -> dict:
+            lp = _completion_logprobs(d.logprobs, 0) if params.logprobs is not None else None
+            return {
+                "index": k,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
+
+        if body.stream:
+
+            async def events():
+                usage = {"prompt_tokens": sum(lengths), "completion_tokens": 0}
+                echoed: set[tuple[int, int]] = set()
+                async for i, d in self._merged(streams, request):
+                    usage["completion_tokens"] += len(d.token_ids)
+                    first = (i, d.index) not in echoed
+                    echoed.add((i, d.index))
+                    text = (texts[i] if body.echo and first else "") + d.text
+                    chunk = {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": int(time.time()),
+                        "model": self.model_name,
+                        "choices": [choice(i * n + d.index, d, text)],
+                    }
+                    yield _sse(chunk)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": int(time.time()),
+                            "model": self.model_name,
+                            "choices": [],
+                            "usage": _usage(usage),
+                        }
+                    )
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        merged = await self._collect(streams, request)
+        choices, completion_tokens = [], 0
+        for (i, k), d in sorted(merged.items()):
+            completion_tokens += len(d.token_ids)
+            text = (texts[i] if body.echo else "") + d.text
+            choices.append(choice(i * n + k, d, text))
+        usage = {"prompt_tokens": sum(lengths), "completion_tokens": completion_tokens}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(usage),
+        }
+
+    # -- /v1/chat/completions -------------------------------------------------------------
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        self.check_model(body.model)
+        prompt = self.chat_prompt(
+            body.messages,
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template,
+            body.chat_template_kwargs,
+        )
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, max_tokens, top)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = self.start([prompt], params, rid)
+        prompt_tokens = len(prompt["prompt_token_ids"])
+
+        def logprobs(d: StreamDelta) -> dict | None:
+            return _chat_logprobs(d.logprobs, top) if top is not None else None
+
+        if body.stream:
+
+            async def events():
+                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
+                started: set[int] = set()
+                async for _, d in self._merged(streams, request):
+                    usage["completion_tokens"] += len(d.token_ids)
+                    delta: dict[str, Any] = {"content": d.text}
+                    if d.index not in started:
+                        started.add(d.index)
+                        delta["role"] = "assistant"
+                    chunk = {
+                        "id": rid,
+                        "object": "chat.completion.chunk",
+                        "created": int(time.time()),
+                        "model": self.model_name,
+                        "choices": [
+                            {
+                                "index": d.index,
+                                "delta": delta,
+                                "logprobs": logprobs(d),
+                                "finish_reason": d.finish_reason,
+                            }
+                        ],
+                    }
+                    yield _sse(chunk)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk",
+                            "created": int(time.time()),
+                            "model": self.model_name,
+                            "choices": [],
+                            "usage": _usage(usage),
+                        }
+                    )
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        merged = await self._collect(streams, request)
+        choices, completion_tokens = [], 0
+        for (_, k), d in sorted(merged.items()):
+            completion_tokens += len(d.token_ids)
+            choices.append(
+                {
+                    "index": k,
+                    "message": {"role": "assistant", "content": d.text},
+                    "logprobs": logprobs(d),
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+            )
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(usage),
+        }
+
+    # -- shared ---------------------------------------------------------------------------
+    def _params(self, body, max_tokens: int | None, logprobs: int | None):
+        defaults = self.engine.llm.get_default_sampling_params()
+        try:
+            return body.sampling_params(defaults, max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split(" ", 1)[0]) from e
+
+    async def _merged(
+        self, streams: list, request: Request
+    ) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """Deltas of every prompt's stream as they come, with the prompt's index; the
+        requests are aborted when the client goes away (or anything else ends this)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        start = time.perf_counter()
+        last: dict[int, float] = {}
+
+        async def pump(i: int, stream) -> None:
+            try:
+                async for delta in stream:
+                    await queue.put((i, delta))
+            except RequestFailedError as e:
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        open_streams = len(tasks)
+        status = "200"
+        try:
+            while open_streams:
+                i, item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, RequestFailedError):
+                    status = "500"
+                    raise APIError(500, str(item))
+                now = time.perf_counter()
+                if item.token_ids:
+                    self.metrics.observe_token(now - last.get(i, start), first=i not in last)
+                    last[i] = now
+                yield i, item
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "disconnected"
+            raise
+        finally:
+            for task in tasks:
+                task.cancel()
+            for s in streams:
+                await s.aclose()
+            self.metrics.count(status)
+
+    async def _collect(self, streams: list, request: Request) -> dict[tuple[int, int], StreamDelta]:
+        out: dict[tuple[int, int], StreamDelta] = {}
+        async for i, d in self._merged(streams, request):
+            prev = out.get((i, d.index))
+            if prev is None:
+                out[(i, d.index)] = StreamDelta(
+                    d.index,
+                    d.text,
+                    list(d.token_ids),
+                    list(d.logprobs),
+                    d.finish_reason,
+                    d.stop_reason,
+                )
+            else:
+                prev.text += d.text
+                prev.token_ids += d.token_ids
+                prev.logprobs += d.logprobs
+                prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+        return out
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _usage(u: dict) -> dict:
+    return {**u, "total_tokens": u["prompt_tokens"] + u["completion_tokens"]}
+
+
+def _completion_logprobs(entries: list, offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        chosen = next(iter(entry.values()))  # the sampled token comes first
+        tokens.append(chosen.decoded_token or "")
+        token_logprobs.append(chosen.logprob)
+        top.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        offsets.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(entries: list, top_n: int) -> dict:
+    def item(lp) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for entry in entries:
+        values = list(entry.values())
+        ranked = sorted(values, key=lambda lp: lp.rank or 0)[:top_n]
+        content.append({**item(values[0]), "top_logprobs": [item(lp) for lp in ranked]})
+    return {"content": content}

@@ -1,0 +1,121 @@
+"""The OpenAI API's request bodies (the fields compilecore serves, with vLLM's extras) and
+how they become `SamplingParams`. Unknown fields are ignored, as OpenAI's and vLLM's
+servers do; a field with a bad value is a 400 naming it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from runtime.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extra fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(
+        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """Unset fields take the model's defaults (generation_config.json), as in vLLM."""
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return getattr(defaults, name) if value is None else value
+
+        return SamplingParams(
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=pick("repetition_penalty"),
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=self.logit_bias,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = ""
+
+    def text(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            content = "".join(
+                part.get("text", "") for part in content if part.get("type") == "text"
+            )
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

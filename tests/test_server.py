@@ -1,0 +1,258 @@
+"""The OpenAI-compatible server, started in this process on a free loopback port and
+talked to with the official `openai` client (and raw HTTP where the client hides what is
+tested). The oracle for generated text is the offline `LLM` on the same checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+from urllib.parse import urlparse
+
+import openai
+import pytest
+import uvicorn
+
+from runtime import LLM, SamplingParams
+from runtime.async_engine import AsyncLLM
+from runtime.entrypoints.openai_server import build_app
+
+KEY = "test-key"
+MODEL = "tiny"
+PROMPTS = [f"The {w} brown fox" for w in ("quick", "slow", "red", "old")] + ["Compilers are"]
+
+
+class _ThreadServer(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # runs in a thread, not the main one
+        pass
+
+
+class _Response:
+    def __init__(self, status: int, body: bytes):
+        self.status_code, self.content = status, body
+
+    def json(self):
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode()
+
+
+def _http(method: str, url: str, body=None, headers=None) -> _Response:
+    """Plain HTTP (what a client that is not the openai package sends)."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    conn.request(method, u.path, body=data, headers=hdrs)
+    r = conn.getresponse()
+    out = _Response(r.status, r.read())
+    conn.close()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_llama):
+    return LLM(str(tiny_llama[0]), enforce_eager=True, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), enforce_eager=True, max_model_len=256, max_num_seqs=48)
+    engine = AsyncLLM(llm, max_waiting=64)
+    port = _free_port()
+    config = uvicorn.Config(build_app(engine, MODEL, api_key=KEY), host="127.0.0.1", port=port,
+                            log_level="warning")  # fmt: skip
+    srv = _ThreadServer(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started, "the server did not start"
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def _greedy_text(oracle: LLM, prompt, max_tokens: int = 12) -> str:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return oracle.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+
+def _idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
+    bm = engine.engine.scheduler.block_manager
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with engine.lock:
+            if not engine.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the engine still holds requests or KV blocks")
+
+
+GREEDY = {"temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+
+
+def test_completion_and_usage(client, oracle):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY)
+    assert out.choices[0].text == _greedy_text(oracle, PROMPTS[0])
+    assert out.choices[0].finish_reason == "length"
+    prompt_tokens = len(oracle.get_tokenizer().encode(PROMPTS[0]))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_tokens, 12)
+    assert out.usage.total_tokens == prompt_tokens + 12
+
+
+def test_chat_completion(client, oracle):
+    messages = [{"role": "user", "content": "Say something."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    prompt = oracle.apply_chat_template(messages)
+    assert out.choices[0].message.content == _greedy_text(oracle, prompt)
+    assert out.choices[0].message.role == "assistant"
+
+
+def test_streaming_joins_to_the_same_text(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[1], **GREEDY)
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], stream=True, stream_options={"include_usage": True},
+        **GREEDY,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    messages = [{"role": "user", "content": "Hello"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    parts = client.chat.completions.create(model=MODEL, messages=messages, stream=True, **GREEDY)
+    text = "".join(c.choices[0].delta.content or "" for c in parts)
+    assert text == full.choices[0].message.content
+
+
+def test_n_stop_and_logprobs(client, oracle):
+    two = client.completions.create(model=MODEL, prompt=PROMPTS[2], n=2, temperature=1.0,
+                                    seed=3, max_tokens=6)  # fmt: skip
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    text = _greedy_text(oracle, PROMPTS[2])
+    stop = text[3:6]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[2], stop=[stop], **GREEDY)
+    assert out.choices[0].text == text[: text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    lp = client.completions.create(model=MODEL, prompt=PROMPTS[2], logprobs=2, **GREEDY)
+    info = lp.choices[0].logprobs
+    assert len(info.token_logprobs) == 12 and all(v <= 0 for v in info.token_logprobs)
+    assert all(len(top) >= 2 for top in info.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                          logprobs=True, top_logprobs=2, **GREEDY)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_32_concurrent_streams_equal_sequential_greedy(server, oracle):
+    base, engine = server
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
+    want = [_greedy_text(oracle, p) for p in prompts]
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(run()) == want
+    _idle(engine)
+
+
+def test_disconnect_mid_stream_frees_the_request(server):
+    base, engine = server
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 200, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEY}"}
+    u = urlparse(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                 headers={**headers, "Content-Type": "application/json"})  # fmt: skip
+    r = conn.getresponse()
+    line = r.fp.readline()
+    while not line.startswith(b"data: "):
+        line = r.fp.readline()
+    assert json.loads(line[6:])["choices"]
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    _idle(engine)  # the abort freed every block
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "word " * 400}, 400, None),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body,
+                                                                     status, param):  # fmt: skip
+    base, engine = server
+    r = _http("POST", base + "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["code"] == status and error["message"]
+    if param:
+        assert error["param"] == param
+    _idle(engine)
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices
+
+
+def test_malformed_json_wrong_key_and_full_queue(server, client):
+    base, engine = server
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = _http("POST", base + "/v1/completions", b"{not json", auth)
+    assert r.status_code == 400
+    bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    engine.max_waiting = 0
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert info.value.status_code == 503
+    finally:
+        engine.max_waiting = 64
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices
+
+
+def test_models_health_metrics_tokenize(server, client, oracle):
+    base, _ = server
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert _http("GET", base + "/health").status_code == 200
+    text = _http("GET", base + "/metrics").text
+    for name in (
+        "compilecore:requests_total",
+        "compilecore:time_to_first_token_seconds",
+        "compilecore:kv_cache_usage_perc",
+        "compilecore:num_requests_waiting",
+    ):
+        assert name in text
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ids = _http("POST", base + "/tokenize", {"prompt": "hello world"}, auth).json()
+    assert ids["tokens"] == oracle.get_tokenizer().encode("hello world")
+    back = _http("POST", base + "/detokenize", {"tokens": ids["tokens"]}, auth).json()
+    assert back["prompt"] == "hello world"
