@@ -140,6 +140,7 @@ BENCHMARKS = {
     "passes": "pass_ablation.py",
     "compile-options": "compile_options.py",
     "gpu": "bench_gpu.py",
+    "serve": "bench_serve.py",
 }
 
 

@@ -79,3 +79,13 @@ def test_startup_smoke(tiny_llama, tmp_path):
     cold, warm = _check(out, 2)["rows"]
     assert cold["inductor_compiles"] > 0 and cold["cache_hits"] == 0
     assert warm["inductor_compiles"] == 0 and warm["cache_hits"] > 0
+
+
+def test_serve_smoke_reports_missing_peers(tiny_llama, tmp_path, capsys):
+    extra = ["--concurrency", "1,2", "--requests-per-client", "1", "--min-words", "2",
+             "--max-words", "4", "--min-out", "2", "--max-out", "3"]  # fmt: skip
+    out = _load("bench_serve").main(_args(tiny_llama, tmp_path, *extra))
+    rows = _check(out, 2)["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert all(r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
+    assert "not measured, missing" in capsys.readouterr().out  # no GGUF for a tiny model
