@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 from common import RESULTS, save_results  # noqa: E402
 
-WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "his", "it", "an", "were", "are", "which"]
+WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as",
+         "by", "at", "from", "his", "it", "an", "were", "are", "which"]  # fmt: skip
 
 
 def workload(n: int, seed: int, min_words: int, max_words: int, min_out: int, max_out: int):
