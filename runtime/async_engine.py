@@ -61,17 +61,45 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, llm: LLM, max_waiting: int = 256):
-        self.llm = llm
-        self.engine = llm.llm_engine
+    """`AsyncLLM(llm)` steps an existing `LLM` from a background thread; `AsyncLLM(model,
+    **engine_args)` builds the `LLM` on that thread, which is what a server should do:
+    OpenMP keeps one worker team per thread that ever ran a parallel region, and with more
+    busy teams than cores libgomp stops spinning at barriers and sleeps instead, which
+    halves decode speed on a 2-core machine (benchmarks/NOTES.md, section 18). Built on the
+    stepping thread, the engine's kernels are the only team."""
+
+    def __init__(
+        self,
+        llm: LLM | str | None = None,
+        *,
+        max_waiting: int = 256,
+        **engine_args: Any,
+    ):
         self.max_waiting = max_waiting
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.streams: dict[str, _Stream] = {}
         self.stopped = False
         self.num_steps = 0
-        self.thread = threading.Thread(target=self._loop, name="compilecore-engine", daemon=True)
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                self.llm = llm if isinstance(llm, LLM) else LLM(llm, **engine_args)
+                self.engine = self.llm.llm_engine
+            except BaseException as exc:
+                failure.append(exc)
+                return
+            finally:
+                ready.set()
+            self._loop()
+
+        self.thread = threading.Thread(target=start, name="compilecore-engine", daemon=True)
         self.thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
 
     # -- requests -------------------------------------------------------------------------
     def prepare(self, prompt: PromptType, params: SamplingParams) -> list[int]:

@@ -163,8 +163,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from runtime.async_engine import AsyncLLM
     from runtime.entrypoints.openai_server import build_app
 
-    llm = LLM(
+    # The engine thread builds the LLM: its kernels then own the only OpenMP team.
+    engine = AsyncLLM(
         args.model,
+        max_waiting=args.max_waiting,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
@@ -172,7 +174,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
     )
-    engine = AsyncLLM(llm, max_waiting=args.max_waiting)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     app = build_app(engine, name, api_key=args.api_key)
     print(f"compilecore: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
