@@ -124,7 +124,8 @@ def serve_llama(port: int, parallel: int, threads: int) -> subprocess.Popen:
            "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
            "-c", str(1024 * parallel), "-t", str(threads), "-tb", str(threads),
            "--alias", "model"]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(f"/tmp/llama-server-{port}.log", "w")  # noqa: SIM115 - lives with the process
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def main(argv: list[str] | None = None) -> Path:

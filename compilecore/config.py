@@ -133,6 +133,12 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+# Batch-1 decode gets static-size code (where the GEMV pass turns each linear layer into one
+# weight-streaming loop) and a CPU graph. Sizes 2 and 4 were measured and left out: Inductor's
+# reduction loops for them re-read the weights per row (benchmarks/NOTES.md, section 20).
+DEFAULT_CPU_COMPILE_SIZES = (1,)
+
+
 @dataclass
 class CompilationConfig:
     # "none": plain eager module; "piecewise": traced once, cut at attention, compiled.
@@ -142,7 +148,8 @@ class CompilationConfig:
     )
     # Token counts that get code of their own besides the symbolic-size code. None: the
     # device's default ([1] on CPU: batch-1 decode, where static shapes let the GEMV pass
-    # run; [] on CUDA, where CUDA graphs cover small batches).
+    # run and a CPU graph replays it; [] on CUDA, where CUDA graphs cover small batches).
+    # On CPU, decode-only batches pad up to the next compile size and replay its graph.
     compile_sizes: list[int] | None = None
     cudagraph_capture_sizes: list[int] | None = None
     # CPU only: record each decode-only step at a compile size once and replay its native
@@ -199,7 +206,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         cc = self.compilation_config
         if cc.compile_sizes is None:
-            cc.compile_sizes = [1] if self.device.type == "cpu" else []
+            cc.compile_sizes = list(DEFAULT_CPU_COMPILE_SIZES) if self.device.type == "cpu" else []
         sched, model = self.scheduler_config, self.model_config
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < model.max_model_len:
             raise ValueError(

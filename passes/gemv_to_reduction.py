@@ -39,7 +39,9 @@ class GemvToReductionPass(PatternPass):
     name = "gemv_to_reduction"
     depends_on = ("passes.ops.gemv",)
 
-    def __init__(self, max_m: int = 4):
+    # One row: at M = 4 Inductor's loops for the reduction re-read each weight row per row
+    # of x and ran 8x slower than the library GEMM (benchmarks/NOTES.md, section 20).
+    def __init__(self, max_m: int = 1):
         self.max_m = max_m
         super().__init__()
 

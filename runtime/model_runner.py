@@ -98,6 +98,26 @@ def _scheduled_of(order: list[ScheduledRequest], request: Any) -> ScheduledReque
     return next(s for s in order if s.request is request)
 
 
+def pad_decode_plan(plan: StepPlan, size: int) -> StepPlan:
+    """A decode-only plan grown to `size` sequences. Each padding sequence decodes token 0
+    at position 0 against one token of block 0, writes its K/V nowhere (slot -1), and its
+    logits row is dropped: the shapes of a captured graph, no effect on real requests."""
+    extra = size - plan.num_tokens
+    if extra == 0:
+        return plan
+    last = plan.query_starts[-1]
+    return StepPlan(
+        token_ids=plan.token_ids + [0] * extra,
+        positions=plan.positions + [0] * extra,
+        slots=plan.slots + [-1] * extra,
+        query_starts=plan.query_starts + list(range(last + 1, last + extra + 1)),
+        seq_lens=plan.seq_lens + [1] * extra,
+        block_tables=plan.block_tables + [[0]] * extra,
+        num_decodes=size,
+        logits_rows=list(range(size)),
+    )
+
+
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model: nn.Module, attn_backend):
         self.config = engine_config
@@ -209,14 +229,14 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run this rank's stage. Returns logits [len(plan.logits_rows), vocab] on global
         rank 0 (the driver), None elsewhere."""
-        padded, meta = self._load(plan)
         n = plan.num_tokens
-        if n in self.cpu_graph_sizes and plan.num_decodes == n and len(plan.logits_rows) == n:
-            graph = self.cpu_graphs.get(n, _MISSING)
-            if graph is _MISSING:
-                return self._capture_cpu_graph(n, meta)
-            if graph is not None:
-                return graph.replay()
+        size = self._cpu_graph_size(plan)
+        if size is not None and self.cpu_graphs.get(size, _MISSING) is not None:
+            _, meta = self._load(pad_decode_plan(plan, size))
+            graph = self.cpu_graphs.get(size, _MISSING)
+            logits = self._capture_cpu_graph(size, meta) if graph is _MISSING else graph.replay()
+            return logits[:n]  # the rows of padding sequences are dropped
+        padded, meta = self._load(plan)
         pp = get_pp_group()
         inputs = None
         if not pp.is_first_rank:  # hidden states and residual from the stage before
@@ -234,6 +254,14 @@ class ModelRunner:
         if world_rank() != 0 and get_tp_group().is_first_rank and pp.world_size > 1:
             pp.send_tensors({"logits": logits}, dst=0)
         return logits if world_rank() == 0 else None
+
+    def _cpu_graph_size(self, plan: StepPlan) -> int | None:
+        """The CPU-graph size for a decode-only step: its batch, padded up to the next
+        compile size (like CUDA graphs); None for any other step."""
+        n = plan.num_tokens
+        if not self.cpu_graph_sizes or plan.num_decodes != n or len(plan.logits_rows) != n:
+            return None
+        return next((s for s in sorted(self.cpu_graph_sizes) if s >= n), None)
 
     def _capture_cpu_graph(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
         """Run this decode step while recording it; check that a replay of the recording

@@ -75,9 +75,7 @@ def test_graph_matches_hf_in_fp32(tiny_llama, tmp_path):
 
 def test_torch_attention_backend_is_refused_and_still_correct(tiny_llama, tmp_path):
     path, hf = tiny_llama
-    llm = LLM(
-        str(path), attention_backend="torch", compilation_config={"cache_dir": str(tmp_path)}
-    )
+    llm = LLM(str(path), attention_backend="torch", compilation_config={"cache_dir": str(tmp_path)})
     got = _tokens(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert llm.llm_engine.runner.cpu_graphs[1] is None  # Python attention: not capturable
     assert got == hf_greedy(hf, PROMPT, 12)
@@ -158,3 +156,25 @@ def test_pack_parameters_keeps_values_and_identity():
     ptrs = sorted(p.data_ptr() for p in params)
     assert ptrs[-1] - ptrs[0] < moved  # one arena
     assert torch.equal(model(x), want)
+
+
+def test_decode_batches_pad_to_the_next_compile_size(tiny_llama, tmp_path):
+    """With compile_sizes=[4], decode batches of 1-3 use the size-4 code padded with
+    sequences that write nowhere; their tokens equal an engine without static sizes."""
+    from runtime.model_runner import StepPlan, pad_decode_plan
+
+    plan = StepPlan(token_ids=[7], positions=[5], slots=[21], query_starts=[0, 1],
+                    seq_lens=[6], block_tables=[[5, 2]], num_decodes=1,
+                    logits_rows=[0])  # fmt: skip
+    padded = pad_decode_plan(plan, 4)
+    assert padded.num_tokens == 4 and padded.num_decodes == 4
+    assert padded.slots == [21, -1, -1, -1] and padded.logits_rows == [0, 1, 2, 3]
+    assert padded.block_tables[1:] == [[0]] * 3 and padded.seq_lens[1:] == [1] * 3
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = []
+    for sizes in ([4], []):
+        llm = LLM(str(tiny_llama[0]), compilation_config={
+            "cache_dir": str(tmp_path / str(sizes)), "compile_sizes": sizes})  # fmt: skip
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
