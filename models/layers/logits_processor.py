@@ -14,10 +14,12 @@ class LogitsProcessor(nn.Module):
     """Hidden states -> logits over the whole vocabulary (gathered across TP ranks).
 
     With `small_batch_gemv` (compiled engines on CPU: `passes.ops.gemv.gemv_logits`
-    compiled per shape), a few rows go through a reduction loop that reads the (large) LM
+    compiled per shape), a single row goes through a reduction loop that reads the (large) LM
     head weight at close to memory bandwidth and returns fp32 logits."""
 
-    SMALL_BATCH = 4
+    # One row: a reduction over several rows re-reads the weight per row (batch-4 decode
+    # 120 -> 137 tok/s with F.linear instead, benchmarks/NOTES.md section 20).
+    SMALL_BATCH = 1
 
     def __init__(
         self,
