@@ -123,7 +123,7 @@ def serve_llama(port: int, parallel: int, threads: int) -> subprocess.Popen:
     cmd = [str(peers.llama_tool("llama-server")), "-m", str(peers.gguf("bf16")),
            "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
            "-c", str(1024 * parallel), "-t", str(threads), "-tb", str(threads),
-           "--alias", "model"]  # fmt: skip
+           "--threads-http", str(parallel + 4), "--alias", "model"]  # fmt: skip
     log = open(f"/tmp/llama-server-{port}.log", "w")  # noqa: SIM115 - lives with the process
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 

@@ -31,8 +31,9 @@ ready = time.perf_counter()
 prompt = list(range(100, 137))
 p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 llm.generate([prompt], p, use_tqdm=False)
+first = time.perf_counter()  # the first token, taken when it exists
 t = time.perf_counter(); llm.generate([prompt[::-1]], p, use_tqdm=False)
-print(json.dumps({"engine_ready_s": ready - start, "first_token_s": time.perf_counter() - start,
+print(json.dumps({"engine_ready_s": ready - start, "first_token_s": first - start,
                   "ttft_37_ms": (time.perf_counter() - t) * 1e3,
                   "inductor_compiles": c.num_inductor_compiles, "cache_hits": c.num_cache_hits}))
 """
