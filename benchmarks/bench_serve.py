@@ -91,7 +91,7 @@ async def run_level(base_url: str, model: str, jobs: list, concurrency: int) -> 
     import openai
 
     sem = asyncio.Semaphore(concurrency)
-    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0) as c:
+    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=2) as c:
 
         async def bounded(prompt, max_tokens):
             async with sem:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -105,10 +106,38 @@ def compile_cache_root(engine_config: EngineConfig) -> Path:
     return Path(base) if base else cache_root() / "torch_compile"
 
 
+class CacheDirError(RuntimeError):
+    """A compile cache folder that someone else could have written code into."""
+
+
+def check_cache_root(root: Path) -> None:
+    """Recipes and artifacts are code that runs when loaded: refuse a cache folder owned
+    by another user or writable by everyone (or one inside such a folder)."""
+    path = root
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    info = path.stat()
+    if hasattr(os, "getuid") and info.st_uid != os.getuid() and path == root:
+        raise CacheDirError(
+            f"the compile cache {root} belongs to uid {info.st_uid}, not to you: its code "
+            "would run as you. Use a folder of your own (compilation_config['cache_dir'] or "
+            "COMPILECORE_CACHE_DIR)"
+        )
+    if info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX:
+        raise CacheDirError(
+            f"the compile cache {root} (at {path}) is writable by every user: anyone could "
+            f"put code there that runs as you. Run `chmod o-w {path}` or use a folder of "
+            "your own (compilation_config['cache_dir'] or COMPILECORE_CACHE_DIR)"
+        )
+
+
 class CompileCache:
     def __init__(self, engine_config: EngineConfig, key: str, tag: str):
-        self.dir = compile_cache_root(engine_config) / key / tag
+        root = compile_cache_root(engine_config)
+        self.dir = root / key / tag
         self.enabled = not cache_disabled()
+        if self.enabled:
+            check_cache_root(root)
 
     def path(self, name: str) -> Path:
         return self.dir / f"{name}.bin"
@@ -135,6 +164,14 @@ class CompileCache:
         if self.enabled:
             self._atomic_write(name + ".json", lambda tmp: Path(tmp).write_text(json.dumps(data)))
 
+    def _write_failed(self, filename: str, exc: OSError) -> None:
+        """A read-only or full cache folder: warn once and go on without the cache."""
+        logger.warning(
+            "cannot write %s to the compile cache %s (%s): running uncached", filename,
+            self.dir, exc,
+        )  # fmt: skip
+        self.enabled = False
+
     def load_json(self, name: str) -> Any | None:
         path = self.dir / f"{name}.json"
         try:
@@ -143,14 +180,17 @@ class CompileCache:
             return None
 
     def _atomic_write(self, filename: str, write) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=self.dir)
-        os.close(fd)
+        tmp = None
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=self.dir)
+            os.close(fd)
             write(tmp)
             os.replace(tmp, self.dir / filename)
+        except OSError as exc:
+            self._write_failed(filename, exc)
         finally:
-            if os.path.exists(tmp):
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
 
     def save(self, name: str, artifact: Any) -> None:

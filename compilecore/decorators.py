@@ -154,12 +154,19 @@ class CompiledForward:
 
     def _warm_start(self, module: nn.Module, path) -> bool:
         recipe = ForwardRecipe.load(path)
-        stitched = self.backend.load_recipe(recipe) if recipe is not None else None
+        try:
+            stitched = self.backend.load_recipe(recipe) if recipe is not None else None
+            if stitched is not None:
+                runner = RecipeRunner(recipe, module, stitched, self.function)
+        except (KeyError, IndexError, TypeError, AttributeError, SyntaxError) as e:
+            # A damaged recipe that parsed: trace as if there were none.
+            logger.warning("forward recipe %s does not fit this model (%r): tracing again", path, e)
+            return False
         if stitched is None:
             return False
         compilation_counter.num_models_seen += 1
         compilation_counter.num_warm_starts += 1
-        self.dispatch = RecipeRunner(recipe, module, stitched, self.function)
+        self.dispatch = runner
         return True
 
     def _compile_and_run(self, module: nn.Module, path, *args: Any, **kwargs: Any) -> Any:

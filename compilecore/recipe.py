@@ -16,6 +16,7 @@ to the split module's generated Python and the compiled artifact behind each pie
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -64,10 +65,15 @@ class ForwardRecipe:
     pieces: list[dict[str, Any]]  # per piece: name, index, compiled or code, artifact
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{id(self)}.tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        tmp.replace(path)  # atomic: a reader sees the old recipe or the new one
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(asdict(self)))
+            tmp.replace(path)  # atomic: a reader sees the old recipe or the new one
+        except OSError as e:  # a read-only or full cache: the next process traces again
+            logger.warning("cannot save the forward recipe %s (%s)", path, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: Path) -> ForwardRecipe | None:
@@ -76,7 +82,7 @@ class ForwardRecipe:
             recipe = cls(**json.loads(path.read_text()))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, KeyError) as e:
             logger.warning("forward recipe %s is unreadable (%s): tracing again", path, e)
             return None
         if not all(_SOURCE.match(expr) for expr in recipe.inputs):

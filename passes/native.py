@@ -134,7 +134,12 @@ def load_library(source: str, name: str, root: Path, flags: list[str] = FLAGS) -
     path = library_path(cxx, source, name, root, flags)
     if not path.exists():
         logger.info("building %s with %s -> %s", name, cxx, path)
-        build(cxx, source, name, path, flags)
+        try:
+            build(cxx, source, name, path, flags)
+        except OSError as exc:  # a read-only or full cache: build for this process only
+            logger.warning("cannot write %s (%s): building it in a temporary folder", path, exc)
+            path = Path(tempfile.mkdtemp(prefix="compilecore-")) / path.name
+            build(cxx, source, name, path, flags)
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:  # a truncated or foreign file: rebuild once

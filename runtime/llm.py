@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from compilecore.compile_cache import cache_disabled, check_cache_root
 from compilecore.config import (
     CacheConfig,
     CompilationConfig,
@@ -18,6 +19,7 @@ from compilecore.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    cache_root,
     resolve_dtype,
 )
 from compilecore.cuda_graph import default_capture_sizes
@@ -362,6 +364,9 @@ def build_engine_config(
     compilation = CompilationConfig.from_any(compilation_config)
     if enforce_eager:
         compilation.mode = "none"
+    if compilation.mode != "none" and not cache_disabled():
+        # Before anything loads code from it: a foreign or world-writable folder is refused.
+        check_cache_root(Path(compilation.cache_dir or cache_root() / "torch_compile"))
     device_obj = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if compilation.cudagraph_capture_sizes is None and device_obj.type == "cuda":
         compilation.cudagraph_capture_sizes = default_capture_sizes(max_num_batched_tokens)

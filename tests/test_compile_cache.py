@@ -55,3 +55,48 @@ def test_warm_start_and_corrupt_entry(tiny_llama, tmp_path):
     again = _run(tiny_llama[0], tmp_path)  # the entry was replaced
     assert again["counters"]["num_cache_hits"] == distinct
     assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave no temporaries
+
+
+# -- the cache folder is code: who may write it, and what if nobody can ----------------
+def _greedy(path, cache_dir) -> list[int]:
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(str(path), max_model_len=64, compilation_config={"cache_dir": str(cache_dir)})
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    return llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_world_writable_cache_is_refused(tiny_llama, tmp_path):
+    from compilecore.compile_cache import CacheDirError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(CacheDirError, match="writable by every user.*chmod o-w"):
+        _greedy(tiny_llama[0], shared)
+    with pytest.raises(CacheDirError, match="writable by every user"):
+        _greedy(tiny_llama[0], shared / "not" / "yet" / "made")  # inside it: the same
+
+
+def test_unwritable_cache_warns_and_runs_uncached(tiny_llama, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # the cache folder would have to live inside a file
+    with caplog.at_level("WARNING", logger="compilecore"):
+        tokens = _greedy(tiny_llama[0], blocker / "cache")
+    assert "running uncached" in caplog.text
+    assert tokens == _greedy(tiny_llama[0], tmp_path / "good")
+
+
+def test_damaged_recipe_falls_back_to_tracing(tiny_llama, tmp_path):
+    from compilecore.counters import compilation_counter
+
+    want = _greedy(tiny_llama[0], tmp_path)
+    for recipe in tmp_path.rglob("recipes/**/*.json"):
+        data = json.loads(recipe.read_text())
+        for piece in data["pieces"]:
+            piece.pop("artifact", None)
+            piece.pop("code", None)  # parses, but names nothing to run
+        recipe.write_text(json.dumps(data))
+    before = compilation_counter.num_graphs_seen
+    assert _greedy(tiny_llama[0], tmp_path) == want
+    assert compilation_counter.num_graphs_seen == before + 1  # traced again
