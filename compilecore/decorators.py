@@ -12,10 +12,13 @@ keeps Dynamo's guards instead and raises on any recompile.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import inspect
 import logging
 import time
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -105,6 +108,21 @@ def pass_context(engine_config: EngineConfig, tag: str) -> PassContext:
     )
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every CompiledForward, for the exit hook
+
+
+@atexit.register
+def _release_compiled_code() -> None:
+    """Drop the compiled code objects while the interpreter is still whole. Dynamo hangs
+    a clean-up hook on each; left to the interpreter's teardown, the hook runs after
+    torch's module globals are gone and prints "Exception ignored ... 'NoneType' object
+    has no attribute 'pop'" at the exit of every script that compiled a model."""
+    for forward in list(_LIVE):
+        forward.compiled_code = forward.dispatch = forward.dynamo_fn = None
+        forward.function = None
+    gc.collect()
+
+
 class CompiledForward:
     """Compile state of one module instance."""
 
@@ -127,6 +145,7 @@ class CompiledForward:
         self.compiled_code: types.CodeType | None = None
         self.dispatch: types.FunctionType | None = None
         self.dynamo_fn: Callable | None = None
+        _LIVE.add(self)
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self.dispatch is not None:
