@@ -111,7 +111,7 @@ async def run_level(base_url: str, model: str, jobs: list, concurrency: int) -> 
 def serve_ours(args, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), "--dtype",
            args.dtype, "--max-num-seqs", str(max(args.levels)),
-           "--served-model-name", "model"]  # fmt: skip
+           "--served-model-name", "model", *args.serve_args]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
     if args.max_model_len:
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--min-out", type=int, default=32)
     parser.add_argument("--max-out", type=int, default=96)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--serve-arg", dest="serve_args", action="append", default=[],
+                        help="extra `compilecore serve` argument (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     args.levels = [int(c) for c in args.concurrency.split(",")]
     threads = int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1))

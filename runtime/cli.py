@@ -163,6 +163,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from runtime.async_engine import AsyncLLM
     from runtime.entrypoints.openai_server import build_app
 
+    # The engine thread holds the GIL through a step's Python (piece calls, Inductor's
+    # wrappers); a short switch interval lets the event loop take requests in between.
+    sys.setswitchinterval(args.switch_interval)
     # The engine thread builds the LLM: its kernels then own the only OpenMP team.
     engine = AsyncLLM(
         args.model,
@@ -260,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (then 503)")
     serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--switch-interval", type=float, default=0.0005,
+                       help="Python's thread switch interval in seconds (engine vs HTTP)")
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
