@@ -70,7 +70,28 @@ def config_factors(engine_config: EngineConfig, pass_uuid: str) -> dict[str, Any
         "rank": [get_tp_group().rank_in_group, get_pp_group().rank_in_group],
         "pass_manager": pass_uuid,
         "compilecore": compilecore_source_hash(),
+        "toolchain": toolchain_factors(engine_config.device),
     }
+
+
+def toolchain_factors(device: torch.device) -> dict[str, Any]:
+    """What the artifacts were built for, so a cache shared between machines never loads
+    code made for another GPU, CUDA or Triton. (Inductor's settings enter through
+    `inductor_options` and the torch version: a hash of its whole global config is not
+    stable, since Inductor fills some of it in while compiling.)"""
+    factors: dict[str, Any] = {"cuda": torch.version.cuda, "triton": _triton_version()}
+    if device.type == "cuda":
+        factors["gpu"] = torch.cuda.get_device_name(device)
+        factors["capability"] = list(torch.cuda.get_device_capability(device))
+    return factors
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 @functools.cache

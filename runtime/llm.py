@@ -370,6 +370,13 @@ def build_engine_config(
     device_obj = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if compilation.cudagraph_capture_sizes is None and device_obj.type == "cuda":
         compilation.cudagraph_capture_sizes = default_capture_sizes(max_num_batched_tokens)
+    too_big = [s for s in compilation.cudagraph_capture_sizes or [] if s > max_num_batched_tokens]
+    if too_big:
+        raise ValueError(
+            f"cudagraph_capture_sizes {too_big} exceed max_num_batched_tokens="
+            f"{max_num_batched_tokens}: no step has that many tokens; drop them or raise "
+            "max_num_batched_tokens"
+        )
     return EngineConfig(
         model_config=ModelConfig(
             model=str(model_dir),

@@ -179,3 +179,15 @@ def test_logprobs_match_hf_log_softmax(llm, tiny_llama):
     assert out.cumulative_logprob == pytest.approx(
         sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids))
     )
+
+
+def test_seeded_generator_follows_the_logits_device():
+    """Per-request generators are made on the logits' device (a CPU generator cannot
+    drive sampling on CUDA logits), seeded from the request, and reproduce its draws."""
+    params = SamplingParams(temperature=1.0, seed=5)
+    logits = torch.randn(1, 50)
+    first = Request("a", [1], params)
+    tokens = [Sampler()(logits, [first]).token_ids[0] for _ in range(3)]
+    assert first.generator is not None and first.generator.device == logits.device
+    again = Request("b", [1], params)
+    assert [Sampler()(logits, [again]).token_ids[0] for _ in range(3)] == tokens

@@ -104,6 +104,7 @@ def test_llm_checks_params_before_queuing(tiny_llama, params, match):
         ({"max_model_len": -4}, "max_model_len must be >= 1"),
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
         ({"max_logprobs": -1}, "max_logprobs"),
+        ({"compilation_config": {"cudagraph_capture_sizes": [1, 4096]}}, r"\[4096\] exceed"),
     ],
 )
 def test_bad_engine_args(tiny_llama, kwargs, match):
