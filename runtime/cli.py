@@ -38,15 +38,18 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
 
 
+def _engine_args(args: argparse.Namespace) -> dict:
+    return {
+        "dtype": args.dtype,
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory": args.kv_cache_memory,
+        "enforce_eager": args.eager,
+        "seed": args.seed,
+    }
+
+
 def _engine(args: argparse.Namespace) -> LLM:
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.eager,
-        seed=args.seed,
-    )
+    return LLM(args.model, **_engine_args(args))
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -170,12 +173,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncLLM(
         args.model,
         max_waiting=args.max_waiting,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.eager,
-        seed=args.seed,
         max_num_seqs=args.max_num_seqs,
+        **_engine_args(args),
     )
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     app = build_app(engine, name, api_key=args.api_key)

@@ -178,7 +178,7 @@ class _Server:
         else:
             prompts = list(prompt)
         params = self._params(body, body.max_tokens, body.logprobs)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid, kind = f"cmpl-{uuid.uuid4().hex}", "text_completion"
         streams = self.start(prompts, params, rid)
         n = params.n
         lengths = [len(self.engine.prepare(p, params)) for p in prompts]
@@ -204,26 +204,9 @@ class _Server:
                     first = (i, d.index) not in echoed
                     echoed.add((i, d.index))
                     text = (texts[i] if body.echo and first else "") + d.text
-                    chunk = {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": int(time.time()),
-                        "model": self.model_name,
-                        "choices": [choice(i * n + d.index, d, text)],
-                    }
-                    yield _sse(chunk)
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse(
-                        {
-                            "id": rid,
-                            "object": "text_completion",
-                            "created": int(time.time()),
-                            "model": self.model_name,
-                            "choices": [],
-                            "usage": _usage(usage),
-                        }
-                    )
-                yield "data: [DONE]\n\n"
+                    yield _sse(self._envelope(rid, kind, [choice(i * n + d.index, d, text)]))
+                for tail in self._stream_end(rid, kind, body, usage):
+                    yield tail
 
             return StreamingResponse(events(), media_type="text/event-stream")
         merged = await self._collect(streams, request)
@@ -233,14 +216,7 @@ class _Server:
             text = (texts[i] if body.echo else "") + d.text
             choices.append(choice(i * n + k, d, text))
         usage = {"prompt_tokens": sum(lengths), "completion_tokens": completion_tokens}
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": _usage(usage),
-        }
+        return self._envelope(rid, kind, choices, usage)
 
     # -- /v1/chat/completions -------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -273,33 +249,11 @@ class _Server:
                     if d.index not in started:
                         started.add(d.index)
                         delta["role"] = "assistant"
-                    chunk = {
-                        "id": rid,
-                        "object": "chat.completion.chunk",
-                        "created": int(time.time()),
-                        "model": self.model_name,
-                        "choices": [
-                            {
-                                "index": d.index,
-                                "delta": delta,
-                                "logprobs": logprobs(d),
-                                "finish_reason": d.finish_reason,
-                            }
-                        ],
-                    }
-                    yield _sse(chunk)
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse(
-                        {
-                            "id": rid,
-                            "object": "chat.completion.chunk",
-                            "created": int(time.time()),
-                            "model": self.model_name,
-                            "choices": [],
-                            "usage": _usage(usage),
-                        }
-                    )
-                yield "data: [DONE]\n\n"
+                    choice = {"index": d.index, "delta": delta, "logprobs": logprobs(d),
+                              "finish_reason": d.finish_reason}  # fmt: skip
+                    yield _sse(self._envelope(rid, "chat.completion.chunk", [choice]))
+                for tail in self._stream_end(rid, "chat.completion.chunk", body, usage):
+                    yield tail
 
             return StreamingResponse(events(), media_type="text/event-stream")
         merged = await self._collect(streams, request)
@@ -316,16 +270,23 @@ class _Server:
                 }
             )
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "usage": _usage(usage),
-        }
+        return self._envelope(rid, "chat.completion", choices, usage)
 
     # -- shared ---------------------------------------------------------------------------
+    def _envelope(self, rid: str, kind: str, choices: list, usage: dict | None = None) -> dict:
+        body = {"id": rid, "object": kind, "created": int(time.time()),
+                "model": self.model_name, "choices": choices}  # fmt: skip
+        if usage is not None:
+            body["usage"] = _usage(usage)
+        return body
+
+    def _stream_end(self, rid: str, kind: str, body, usage: dict) -> list[str]:
+        """The usage chunk (when `stream_options.include_usage`) and `[DONE]`."""
+        end = []
+        if body.stream_options and body.stream_options.include_usage:
+            end.append(_sse(self._envelope(rid, kind, [], usage)))
+        return end + ["data: [DONE]\n\n"]
+
     def _params(self, body, max_tokens: int | None, logprobs: int | None):
         defaults = self.engine.llm.get_default_sampling_params()
         try:
