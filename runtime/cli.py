@@ -110,10 +110,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+# The pass switches, by the names Python takes (compilation_config["passes"]); the short
+# names the CLI used to take still work.
+PASS_SWITCHES = ("fuse_add_rms_norm", "fuse_qkv_rope", "fuse_allreduce_rms_norm",
+                 "gemv_to_reduction")  # fmt: skip
+PASS_ALIASES = {"add_rms_norm": "fuse_add_rms_norm", "qkv_rope": "fuse_qkv_rope",
+                "allreduce_rms_norm": "fuse_allreduce_rms_norm"}  # fmt: skip
+
+
+def dump_passes(args: argparse.Namespace) -> dict[str, bool]:
+    """`compilation_config["passes"]` from `--passes`, `--no-passes` and `--verify`."""
+    passes: dict[str, bool] = {"verify": args.verify}
+    for names, on in ((args.passes, True), (args.no_passes, False)):
+        for name in names:
+            passes[PASS_ALIASES.get(name, name)] = on
+    return passes
+
+
 def cmd_dump(args: argparse.Namespace) -> int:
-    passes = {"fuse_add_rms_norm": False, "fuse_qkv_rope": False}
-    for name in args.passes:
-        passes[f"fuse_{name}"] = True
+    passes = dump_passes(args)
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -228,8 +243,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--passes",
         nargs="*",
         default=[],
-        choices=["add_rms_norm", "qkv_rope"],
-        help="fusion passes to turn on (default: the device's defaults off)",
+        choices=[*PASS_SWITCHES, *PASS_ALIASES],
+        metavar="PASS",
+        help=f"passes to turn on, by their Python names ({', '.join(PASS_SWITCHES)})",
+    )
+    dump.add_argument(
+        "--no-passes",
+        nargs="*",
+        default=[],
+        choices=[*PASS_SWITCHES, *PASS_ALIASES],
+        metavar="PASS",
+        help="passes to turn off (e.g. gemv_to_reduction); the rest keep the device default",
+    )
+    dump.add_argument(
+        "--verify", action="store_true", help="verify every pass on every piece (names a bad one)"
     )
     dump.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
     dump.add_argument("--dtype", default="auto")

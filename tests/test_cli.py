@@ -54,3 +54,17 @@ def test_help_explains_the_commands():
     assert res.returncode == 0 and "generate" in res.stdout and "chat" in res.stdout
     res = _cli("generate", "--help")
     assert "--temperature" in res.stdout and "SmolLM2" in res.stdout
+
+
+def test_dump_takes_python_pass_names_and_every_switch():
+    from passes.config import PassConfig
+    from runtime.cli import build_parser, dump_passes
+
+    args = build_parser().parse_args(
+        ["dump", "--out", "x", "--passes", "fuse_add_rms_norm", "qkv_rope",
+         "--no-passes", "gemv_to_reduction", "--verify"]
+    )  # fmt: skip
+    passes = dump_passes(args)
+    assert passes == {"verify": True, "fuse_add_rms_norm": True, "fuse_qkv_rope": True,
+                      "gemv_to_reduction": False}  # fmt: skip
+    PassConfig.from_any(passes)  # the names Python takes

@@ -23,7 +23,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def dumps(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("dumps")
     made = {}
-    for name, passes in (("off1", []), ("off2", []), ("on", ["add_rms_norm", "qkv_rope"])):
+    for name, passes in (("off1", []), ("off2", []), ("on", ["fuse_add_rms_norm", "qkv_rope"])):
         res = _cli(
             "dump",
             "--model",
