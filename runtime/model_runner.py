@@ -141,12 +141,22 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # numpy views of the same memory: filling them costs ~1 us, a torch.tensor + copy_
         # ~10 us, and a decode step fills six.
-        names = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping")
-        self.host_views = (
-            {name: getattr(self, name).numpy() for name in (*names, "block_table")}
-            if self.device.type == "cpu"
-            else None
-        )
+        # On a GPU the same views are of pinned host buffers, copied with non_blocking=True:
+        # the host does not wait for the copies (pageable memory would make it).
+        names = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping",
+                 "block_table")  # fmt: skip
+        if self.device.type == "cpu":
+            self.staging = None
+            self.host_views = {name: getattr(self, name).numpy() for name in names}
+        else:
+            pinned = torch.cuda.is_available()
+            self.staging = {
+                name: torch.zeros_like(getattr(self, name), device="cpu").pin_memory()
+                if pinned
+                else torch.zeros_like(getattr(self, name), device="cpu")
+                for name in names
+            }
+            self.host_views = {name: t.numpy() for name, t in self.staging.items()}
         cc = engine_config.compilation_config
         graphs = self.device.type == "cuda" and cc.mode != "none"
         self.capture_sizes = sorted(cc.cudagraph_capture_sizes or []) if graphs else []
@@ -191,26 +201,19 @@ class ModelRunner:
         padded = self.padded_size(n)
         # Padding rows: token 0 at position 0, slot -1 (written nowhere in the cache).
         pad = [0] * (padded - n)
-        if self.host_views is not None:  # CPU: write the buffers in place through numpy
-            views = self.host_views
-            views["input_ids"][:padded] = plan.token_ids + pad
-            views["positions"][:padded] = plan.positions + pad
-            views["query_start_loc"][: b + 1] = plan.query_starts
-            views["seq_lens"][:b] = plan.seq_lens
-            views["slot_mapping"][:n] = plan.slots
-            for i, t in enumerate(plan.block_tables):
-                views["block_table"][i, : len(t)] = t
-        else:
-            self.input_ids[:padded].copy_(torch.tensor(plan.token_ids + pad))
-            self.positions[:padded].copy_(torch.tensor(plan.positions + pad))
-            self.query_start_loc[: b + 1].copy_(torch.tensor(plan.query_starts, dtype=torch.int32))
-            self.seq_lens[:b].copy_(torch.tensor(plan.seq_lens, dtype=torch.int32))
-            self.slot_mapping[:n].copy_(torch.tensor(plan.slots, dtype=torch.int64))
-            width = max(len(t) for t in plan.block_tables)
-            rows = torch.zeros((b, width), dtype=torch.int32)
-            for i, t in enumerate(plan.block_tables):
-                rows[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-            self.block_table[:b, :width].copy_(rows)
+        views = self.host_views  # the buffers themselves on CPU, pinned staging on a GPU
+        views["input_ids"][:padded] = plan.token_ids + pad
+        views["positions"][:padded] = plan.positions + pad
+        views["query_start_loc"][: b + 1] = plan.query_starts
+        views["seq_lens"][:b] = plan.seq_lens
+        views["slot_mapping"][:n] = plan.slots
+        for i, t in enumerate(plan.block_tables):
+            views["block_table"][i, : len(t)] = t
+        if self.staging is not None:
+            rows = {"input_ids": padded, "positions": padded, "query_start_loc": b + 1,
+                    "seq_lens": b, "slot_mapping": n, "block_table": b}  # fmt: skip
+            for name, k in rows.items():
+                getattr(self, name)[:k].copy_(self.staging[name][:k], non_blocking=True)
         meta = AttentionMetadata(
             num_actual_tokens=n,
             query_start_loc=self.query_start_loc[: b + 1],
