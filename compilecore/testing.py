@@ -1,12 +1,13 @@
-"""Property-based testing helpers for model authors.
+"""Property-based testing helpers for model authors (`runtime.testing.compiled_eager_pair`
+builds the two models; see its docstring and the README for a test that runs as written).
 
     from hypothesis import given
-    from compilecore.testing import llama_configs, token_counts, assert_compiled_matches_eager
+    from compilecore import testing
 
-    @given(config=llama_configs(), n=token_counts())
+    @testing.settings()
+    @given(config=testing.llama_configs(), n=testing.token_counts())
     def test_my_model(config, n):
-        assert_compiled_matches_eager(build(config, compiled=True), build(config, compiled=False),
-                                      make_inputs(config, n))
+        testing.assert_compiled_matches_eager(compiled, eager, *inputs(config, n))
 
 `llama_configs()` draws valid small HF Llama configs; `batches()` draws mixtures of prefill
 chunks and decodes; `assert_compiled_matches_eager` runs both modules and fails on a
@@ -20,10 +21,22 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import hypothesis
 import torch
 from hypothesis import strategies as st
 
 from compilecore.counters import compilation_counter
+
+
+def settings(max_examples: int = 10, **kwargs: Any) -> hypothesis.settings:
+    """Hypothesis settings that fit compiled models under pytest: no deadline (a compile
+    takes seconds), no health check failing on slow draws or session fixtures, and a
+    fixed seed so that a failure in CI reproduces on a laptop."""
+    checks = [hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.function_scoped_fixture,
+              hypothesis.HealthCheck.data_too_large]  # fmt: skip
+    defaults = dict(max_examples=max_examples, deadline=None, suppress_health_check=checks,
+                    derandomize=True, print_blob=True)  # fmt: skip
+    return hypothesis.settings(**{**defaults, **kwargs})
 
 
 @st.composite

@@ -1,0 +1,34 @@
+"""The README's property-test example, as written there (kept in sync by hand: the README
+copies this test). It must run under pytest out of the box: no deadline failures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+
+from compilecore import testing
+from runtime.testing import compiled_eager_pair
+from tests.helpers import llama_config
+
+pytestmark = pytest.mark.slow
+
+
+# --- README example start ---
+@testing.settings(max_examples=4)
+@given(config=testing.llama_configs(max_layers=2), n=testing.token_counts(32))
+def test_compiled_equals_eager(config, n):
+    compiled, eager = compiled_eager_pair(config)
+    ids, positions = torch.randint(0, config.vocab_size, (n,)), torch.arange(n)
+    testing.assert_compiled_matches_eager(compiled, eager, ids, positions)
+# --- README example end ---
+
+
+def test_the_pair_shares_weights_and_differs_from_another_seed():
+    config = llama_config()
+    compiled, eager = compiled_eager_pair(config, seed=1)
+    ids, positions = torch.tensor([5, 9, 2, 7]), torch.arange(4)
+    with torch.inference_mode():
+        assert torch.allclose(compiled(ids, positions), eager(ids, positions), atol=1e-5)
+        other = compiled_eager_pair(config, seed=2)[1](ids, positions)
+    assert not torch.allclose(eager(ids, positions), other)
