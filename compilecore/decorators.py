@@ -16,6 +16,7 @@ import atexit
 import gc
 import inspect
 import logging
+import re
 import time
 import types
 import weakref
@@ -123,6 +124,17 @@ def _release_compiled_code() -> None:
     gc.collect()
 
 
+class DataDependentShapeError(RuntimeError):
+    """The traced forward depends on the (unbacked) token count."""
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    """Dynamo's ways of saying that code needed the value of an unbacked size (u0, u1...)."""
+    text = f"{type(exc).__name__}: {exc}"
+    markers = ("data-dependent", "DataDependent", "GuardOnDataDependentSymNode")
+    return any(m in text for m in markers) or re.search(r"\bu\d+\b", text) is not None
+
+
 class CompiledForward:
     """Compile state of one module instance."""
 
@@ -202,6 +214,16 @@ class CompiledForward:
         self.backend.trace_start = time.perf_counter()
         try:
             out = self.dynamo_fn(module, *args, **kwargs)
+        except Exception as exc:
+            if _is_data_dependent(exc):
+                raise DataDependentShapeError(
+                    f"{self.tag}.forward branches on (or specializes to) the number of tokens, "
+                    "which compilecore traces as one size for every batch: the rule is that a "
+                    "model's forward may not depend on the token count in Python (use tensor "
+                    "ops instead); compilation_config={'debug': True} keeps Dynamo's guards to "
+                    f"find the line. Dynamo said: {str(exc).splitlines()[0][:300]}"
+                ) from exc
+            raise
         finally:
             self.compiled_code = _capturing_code.pop(code, None)
         root = dump_root(self.config)

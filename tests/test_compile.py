@@ -349,3 +349,26 @@ def test_vector_isa_probes_are_remembered(tmp_path):
         with trusted_vec_isa(tmp_path):
             assert torch._inductor.config.cpp.vec_isa_ok is True
         assert torch._inductor.config.cpp.vec_isa_ok is None  # only inside the block
+
+
+@support_torch_compile
+class BranchesOnTokenCount(nn.Module):
+    """Deliberately breaks the rule: Python control flow on the number of tokens."""
+
+    def __init__(self, *, engine_config: EngineConfig, prefix: str = ""):
+        super().__init__()
+        self.prefix = prefix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            return x * 2.0
+        return x + 1.0
+
+
+def test_branching_on_the_token_count_is_named_as_the_rule(tmp_path):
+    from compilecore.decorators import DataDependentShapeError
+
+    torch._dynamo.reset()
+    model = BranchesOnTokenCount(engine_config=_silly_config(tmp_path))
+    with pytest.raises(DataDependentShapeError, match="may not depend on the token count.*debug"):
+        model(torch.randn(3, 8))
