@@ -168,6 +168,7 @@ class ModelRunner:
             and engine_config.parallel_config.world_size == 1
         )
         self.cpu_graph_sizes = set(cc.compile_sizes or []) if cpu_graphs else set()
+        self.cpu_graph_order = sorted(self.cpu_graph_sizes)
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
 
     @property
@@ -264,7 +265,7 @@ class ModelRunner:
         n = plan.num_tokens
         if not self.cpu_graph_sizes or plan.num_decodes != n or len(plan.logits_rows) != n:
             return None
-        return next((s for s in sorted(self.cpu_graph_sizes) if s >= n), None)
+        return next((s for s in self.cpu_graph_order if s >= n), None)
 
     def _capture_cpu_graph(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
         """Run this decode step while recording it; check that a replay of the recording

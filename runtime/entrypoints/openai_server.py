@@ -158,12 +158,13 @@ class _Server:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
 
-    def start(self, prompts: list[Any], params, prefix: str) -> list[AsyncIterator[StreamDelta]]:
-        """Queue every prompt (all checked first: a bad one queues nothing)."""
+    def start(self, prompts: list[Any], params, prefix: str) -> tuple[list, list[int]]:
+        """Queue every prompt, all tokenized and checked first (a bad one queues nothing);
+        the delta streams and the prompts' token counts."""
         try:
-            for p in prompts:
-                self.engine.prepare(p, params)
-            return [self.engine.add(p, params, f"{prefix}-{i}") for i, p in enumerate(prompts)]
+            ids = [self.engine.prepare(p, params) for p in prompts]
+            streams = [self.engine.add(t, params, f"{prefix}-{i}") for i, t in enumerate(ids)]
+            return streams, [len(t) for t in ids]
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from e
         except QueueFullError as e:
@@ -179,9 +180,8 @@ class _Server:
             prompts = list(prompt)
         params = self._params(body, body.max_tokens, body.logprobs)
         rid, kind = f"cmpl-{uuid.uuid4().hex}", "text_completion"
-        streams = self.start(prompts, params, rid)
+        streams, lengths = self.start(prompts, params, rid)
         n = params.n
-        lengths = [len(self.engine.prepare(p, params)) for p in prompts]
         texts = {i: (p if isinstance(p, str) else "") for i, p in enumerate(prompts)}
 
         def choice(k: int, d: StreamDelta, text: str) -> dict:
@@ -232,8 +232,7 @@ class _Server:
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.start([prompt], params, rid)
-        prompt_tokens = len(prompt["prompt_token_ids"])
+        streams, (prompt_tokens,) = self.start([prompt], params, rid)
 
         def logprobs(d: StreamDelta) -> dict | None:
             return _chat_logprobs(d.logprobs, top) if top is not None else None
