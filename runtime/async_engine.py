@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +56,6 @@ class _Stream:
     sent_tokens: list[int] = field(default_factory=list)
     sent_text: list[int] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)
-    first_token_time: float | None = None
 
 
 class AsyncLLM:
@@ -80,7 +78,6 @@ class AsyncLLM:
         self.wake = threading.Event()
         self.streams: dict[str, _Stream] = {}
         self.stopped = False
-        self.num_steps = 0
         ready = threading.Event()
         failure: list[BaseException] = []
 
@@ -182,7 +179,6 @@ class AsyncLLM:
                 except Exception as exc:  # the engine aborted the step's requests
                     logger.exception("engine step failed")
                     error = exc
-                self.num_steps += 1
                 self._publish(error)
 
     def _publish(self, error: BaseException | None) -> None:
@@ -223,8 +219,6 @@ class AsyncLLM:
             return None
         logprobs = req.output_logprobs[stream.sent_tokens[i] :]
         stream.sent_tokens[i], stream.sent_text[i] = len(tokens), len(text)
-        if stream.first_token_time is None and tokens:
-            stream.first_token_time = time.perf_counter()
         if finished:
             stream.done[i] = True
         return StreamDelta(

@@ -121,12 +121,12 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
         return {"prompt": engine.llm.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await server.completions(body, request)
+    async def completions(body: CompletionRequest):
+        return await server.completions(body)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await server.chat(body, request)
+    async def chat_completions(body: ChatCompletionRequest):
+        return await server.chat(body)
 
     return app
 
@@ -171,7 +171,7 @@ class _Server:
             raise APIError(503, str(e)) from e
 
     # -- /v1/completions ------------------------------------------------------------------
-    async def completions(self, body: CompletionRequest, request: Request):
+    async def completions(self, body: CompletionRequest):
         self.check_model(body.model)
         prompt = body.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -199,7 +199,7 @@ class _Server:
             async def events():
                 usage = {"prompt_tokens": sum(lengths), "completion_tokens": 0}
                 echoed: set[tuple[int, int]] = set()
-                async for i, d in self._merged(streams, request):
+                async for i, d in self._merged(streams):
                     usage["completion_tokens"] += len(d.token_ids)
                     first = (i, d.index) not in echoed
                     echoed.add((i, d.index))
@@ -209,7 +209,7 @@ class _Server:
                     yield tail
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        merged = await self._collect(streams, request)
+        merged = await self._collect(streams)
         choices, completion_tokens = [], 0
         for (i, k), d in sorted(merged.items()):
             completion_tokens += len(d.token_ids)
@@ -219,7 +219,7 @@ class _Server:
         return self._envelope(rid, kind, choices, usage)
 
     # -- /v1/chat/completions -------------------------------------------------------------
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    async def chat(self, body: ChatCompletionRequest):
         self.check_model(body.model)
         prompt = self.chat_prompt(
             body.messages,
@@ -242,7 +242,7 @@ class _Server:
             async def events():
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
                 started: set[int] = set()
-                async for _, d in self._merged(streams, request):
+                async for _, d in self._merged(streams):
                     usage["completion_tokens"] += len(d.token_ids)
                     delta: dict[str, Any] = {"content": d.text}
                     if d.index not in started:
@@ -255,7 +255,7 @@ class _Server:
                     yield tail
 
             return StreamingResponse(events(), media_type="text/event-stream")
-        merged = await self._collect(streams, request)
+        merged = await self._collect(streams)
         choices, completion_tokens = [], 0
         for (_, k), d in sorted(merged.items()):
             completion_tokens += len(d.token_ids)
@@ -293,9 +293,7 @@ class _Server:
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(" ", 1)[0]) from e
 
-    async def _merged(
-        self, streams: list, request: Request
-    ) -> AsyncIterator[tuple[int, StreamDelta]]:
+    async def _merged(self, streams: list) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Deltas of every prompt's stream as they come, with the prompt's index; the
         requests are aborted when the client goes away (or anything else ends this)."""
         queue: asyncio.Queue = asyncio.Queue()
@@ -338,9 +336,9 @@ class _Server:
                 await s.aclose()
             self.metrics.count(status)
 
-    async def _collect(self, streams: list, request: Request) -> dict[tuple[int, int], StreamDelta]:
+    async def _collect(self, streams: list) -> dict[tuple[int, int], StreamDelta]:
         out: dict[tuple[int, int], StreamDelta] = {}
-        async for i, d in self._merged(streams, request):
+        async for i, d in self._merged(streams):
             prev = out.get((i, d.index))
             if prev is None:
                 out[(i, d.index)] = StreamDelta(
