@@ -39,7 +39,9 @@ class CompileStats:
     pieces: int = 0
     factors: dict[str, Any] = field(default_factory=dict)
     # pass name -> sites rewritten over all pieces (a shared compile counts per piece)
-    pass_matches: dict[str, int] = field(default_factory=dict)
+    pass_matches: dict[str, int] = field(default_factory=dict)  # symbolic-size code
+    pass_matches_by_variant: dict[str, dict[str, int]] = field(default_factory=dict)
+    piece_matches: dict[str, dict[str, int]] = field(default_factory=dict)  # per compile
 
 
 def _token_dim(args: Sequence[Any]) -> tuple[int, int | None] | None:
@@ -154,9 +156,11 @@ class CompilecoreBackend:
         if self.trace_start is not None:
             self.stats.trace_s = start - self.trace_start
         cc = self.config.compilation_config
-        self.stats.factors = cache_factors(self.config, gm, self.pass_manager.uuid())
-        self.cache_key = cache_key(self.stats.factors)
         self.traced_files = traced_files(gm)
+        self.stats.factors = cache_factors(
+            self.config, gm, self.pass_manager.uuid(), self.traced_files
+        )
+        self.cache_key = cache_key(self.stats.factors)
         try:
             self.input_sources = graph_inputs(gm)
         except NoRecipe as e:
@@ -173,7 +177,7 @@ class CompilecoreBackend:
         fake_mode = detect_fake_mode(example_inputs)
         compiled: dict[str, Callable] = {}  # graph signature -> PiecewiseBackend
         self.canonical, self.runnables = {}, {}
-        self.artifacts: dict[str, Any] = {}  # compiled piece name -> its general artifact
+        self.artifacts: dict[str, Any] = {}  # piece_N and piece_N_size_S -> its artifact
 
         backend = self
 
@@ -249,11 +253,19 @@ class CompilecoreBackend:
             cache.save_json("pass_matches", counts)
         else:  # everything came from the cache: report what the compile that made it saw
             counts = cache.load_json("pass_matches") or {}
-        totals: dict[str, int] = {}
+        # Per variant of the code (symbolic size, each compile size), over every piece that
+        # runs it: a middle piece compiled once for 29 layers counts 29 times.
+        by_variant: dict[str, dict[str, int]] = {}
+        sizes = sorted(set(self.config.compilation_config.compile_sizes))
+        variants = {"general": ""} | {f"size_{s}": f"_size_{s}" for s in sizes}
         for canonical in self.canonical.values():
-            for name, n in counts.get(canonical, {}).items():
-                totals[name] = totals.get(name, 0) + n
-        self.stats.pass_matches = totals
+            for variant, suffix in variants.items():
+                totals = by_variant.setdefault(variant, {})
+                for name, n in counts.get(canonical + suffix, {}).items():
+                    totals[name] = totals.get(name, 0) + n
+        self.stats.pass_matches = by_variant["general"]
+        self.stats.pass_matches_by_variant = by_variant
+        self.stats.piece_matches = counts
 
     def _compile_piece(
         self, piece: Piece, args: list[Any], cache: CompileCache, compiled: dict
@@ -271,9 +283,9 @@ class CompilecoreBackend:
         by_size = {}
         for size in sorted(set(self.config.compilation_config.compile_sizes)):
             concrete = _concretize(args, size, FakeTensorMode(allow_non_fake_inputs=True))
-            by_size[size] = self._compile_or_load(
-                piece, concrete, f"piece_{piece.index}_size_{size}", cache, dynamic=False
-            )
+            name = f"piece_{piece.index}_size_{size}"
+            by_size[size] = self._compile_or_load(piece, concrete, name, cache, dynamic=False)
+            self.artifacts[name] = by_size[size]
         runnable = PiecewiseBackend(general, by_size, token_dim)
         compiled[signature] = (runnable, f"piece_{piece.index}")
         self.runnables[f"piece_{piece.index}"] = runnable

@@ -29,16 +29,24 @@ def cache_disabled() -> bool:
     return os.environ.get("COMPILECORE_DISABLE_COMPILE_CACHE", "0") not in ("", "0", "false")
 
 
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
 def traced_files(gm: fx.GraphModule) -> list[str]:
-    """Source files the Dynamo graph was traced from (from the nodes' stack traces)."""
+    """Source files the Dynamo graph was traced from: every frame Dynamo inlined (a
+    helper that steers tracing without emitting an op counts too) and the nodes' stack
+    traces. Torch's own files are left out: its version is in the key."""
     files = set()
+    context = torch._guards.TracingContext.try_get()
+    for code in getattr(context, "traced_code", None) or ():
+        files.add(code.co_filename)
     for node in gm.graph.nodes:
         trace = node.meta.get("stack_trace") or ""
         for line in trace.splitlines():
             line = line.strip()
             if line.startswith('File "'):
                 files.add(line.split('"')[1])
-    return sorted(f for f in files if os.path.isfile(f))
+    return sorted(f for f in files if os.path.isfile(f) and not f.startswith(_TORCH_DIR))
 
 
 def file_digest(path: str) -> str:
@@ -105,11 +113,11 @@ def compilecore_source_hash() -> str:
 
 
 def cache_factors(
-    engine_config: EngineConfig, gm: fx.GraphModule, pass_uuid: str
+    engine_config: EngineConfig, gm: fx.GraphModule, pass_uuid: str, files: list[str]
 ) -> dict[str, Any]:
     """Everything that changes the compiled code, by name (also shown in dumps)."""
     sources = hashlib.sha256()
-    for path in traced_files(gm):
+    for path in files:
         sources.update(path.encode() + Path(path).read_bytes())
     return {
         **config_factors(engine_config, pass_uuid),

@@ -42,7 +42,6 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Any) -> torch.dtyp
     return _DTYPES[dtype]
 
 
-
 @dataclass
 class ModelConfig:
     model: str
@@ -139,6 +138,28 @@ class ParallelConfig:
 DEFAULT_CPU_COMPILE_SIZES = (1,)
 
 
+def resolve_custom_passes(specs: Any) -> list[Any]:
+    """Each spec as a passes.GraphPass, with names that tell passes apart in match counts,
+    dumps and verifier messages."""
+    from passes.base import as_pass
+    from passes.config import DEVICE_DEFAULTS
+
+    if isinstance(specs, str) or not isinstance(specs, list | tuple):
+        raise TypeError(f"compilation_config.custom_passes must be a list, got {specs!r}")
+    resolved = [as_pass(spec) for spec in specs]
+    taken = {"noop_elimination", "cleanup", *DEVICE_DEFAULTS["cpu"]}
+    for p in resolved:
+        if p.name == "graph_pass":
+            raise ValueError(f"custom pass {p!r} has no name: set its `name` attribute")
+        if p.name in taken:
+            raise ValueError(
+                f"custom pass name {p.name!r} is already taken (built-in passes and other "
+                "custom passes); give the pass another `name`"
+            )
+        taken.add(p.name)
+    return resolved
+
+
 @dataclass
 class CompilationConfig:
     # "none": plain eager module; "piecewise": traced once, cut at attention, compiled.
@@ -163,11 +184,15 @@ class CompilationConfig:
     inductor_options: dict[str, Any] = field(default_factory=dict)
     # Pass switches: a passes.config.PassConfig or a dict of its fields.
     passes: Any = None
+    # User passes, run after the built-in fusions: passes.GraphPass / PatternPass
+    # instances or subclasses, functions graph -> int, or "module:attribute" paths.
+    custom_passes: list[Any] = field(default_factory=list)
     # Layers that run outside the compiled graph, by prefix (attention layers).
     static_forward_context: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.passes = PassConfig.from_any(self.passes)
+        self.custom_passes = resolve_custom_passes(self.custom_passes)
         if self.mode not in ("none", "piecewise"):
             raise ValueError(
                 f"compilation_config.mode must be 'none' or 'piecewise', got {self.mode!r}"

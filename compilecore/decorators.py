@@ -78,14 +78,22 @@ def _with_code(function: types.FunctionType, code: types.CodeType) -> types.Func
     return new
 
 
-def _mark_unbacked(value: Any, dims: int | list[int]) -> None:
+_HINT_OVERRIDE = (
+    "hint_override" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
+)
+
+
+def _mark_unbacked(value: Any, dims: int | list[int], hint: int) -> None:
+    """Unbacked, with `hint` as the size Inductor tunes the symbolic-size code for (it
+    would otherwise assume its fallback of 8192 tokens)."""
     dims = [dims] if isinstance(dims, int) else list(dims)
+    kwargs = {"hint_override": hint} if _HINT_OVERRIDE else {}
     if isinstance(value, torch.Tensor):
         for d in dims:
-            torch._dynamo.decorators.mark_unbacked(value, d)
+            torch._dynamo.decorators.mark_unbacked(value, d, **kwargs)
     elif hasattr(value, "tensors"):  # IntermediateTensors
         for t in value.tensors.values():
-            _mark_unbacked(t, dims)
+            _mark_unbacked(t, dims, hint)
 
 
 def pass_context(engine_config: EngineConfig, tag: str) -> PassContext:
@@ -150,8 +158,9 @@ class CompiledForward:
         self.function = _with_code(forward, forward.__code__.replace())
         prefix = getattr(module, "prefix", "")
         tag = self.tag = type(module).__name__ + (f".{prefix}" if prefix else "")
+        cc = engine_config.compilation_config
         self.pass_manager = PostGradPassManager(
-            engine_config.compilation_config.passes, pass_context(engine_config, tag)
+            cc.passes, pass_context(engine_config, tag), custom_passes=cc.custom_passes
         )
         self.backend = CompilecoreBackend(engine_config, tag, self.pass_manager)
         self.compiled_code: types.CodeType | None = None
@@ -202,9 +211,11 @@ class CompiledForward:
 
     def _compile_and_run(self, module: nn.Module, path, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(module, *args, **kwargs)
+        # The symbolic-size code serves prefill chunks up to the scheduler's token budget.
+        hint = self.config.scheduler_config.max_num_batched_tokens
         for name, dims in self.dynamic_dims.items():
             if bound.arguments.get(name) is not None:
-                _mark_unbacked(bound.arguments[name], dims)
+                _mark_unbacked(bound.arguments[name], dims, hint)
         compilation_counter.num_models_seen += 1
         self.dynamo_fn = torch.compile(
             self.function, fullgraph=True, backend=self.backend, dynamic=False

@@ -7,7 +7,8 @@ Under DIR/rank_<r>/<module tag>/:
     split_graph.py         the graph that calls the pieces in order
     pieces/piece_NN.py     each piece (attention pieces too)
     passes/piece_N/        each compiled piece before and after each pass
-    inductor/piece_N.py    Inductor's output code per compiled piece
+    inductor/piece_N.py    Inductor's output code per compiled piece (piece_N_size_S.py:
+                           the code for compile size S)
 
 and DIR/rank_<r>/report.json + report.md: pieces with op histograms, pass match counts,
 compile times, the cache key and its factors, versions. `compilecore diff` compares two.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import types
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,35 @@ def dump_root(engine_config: EngineConfig) -> Path | None:
     return Path(path) / f"rank_{pp.rank_in_group * tp.world_size + tp.rank_in_group}"
 
 
+_FREES = re.compile(r";\s+[\w\s=]+= None$")
+
+
+def wrap_long_lines(src: str, width: int = 100) -> str:
+    """Drop FX's `;  a = b = None` frees (a chain of every weight name after each piece
+    call) and break code lines longer than `width` after a comma (a call's arguments),
+    continuation lines indented under the call."""
+    out = []
+    for line in src.splitlines():
+        line = _FREES.sub("", line)
+        if len(line) <= width or line.lstrip().startswith("#") or "(" not in line:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        current = ""
+        for part in line.split(", "):
+            piece = part if not current else ", " + part
+            if current and len(current) + len(piece) > width:
+                out.append(current + ",")
+                current = indent + part
+            else:
+                current += piece
+        out.append(current)
+    return "\n".join(out) + "\n"
+
+
 def _readable(gm: fx.GraphModule) -> str:
-    return gm.print_readable(print_output=False, include_stride=True, include_device=True)
+    text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+    return wrap_long_lines(text)
 
 
 def _torch_op_histogram(gm: fx.GraphModule) -> dict[str, int]:
@@ -54,7 +83,7 @@ def _torch_op_histogram(gm: fx.GraphModule) -> dict[str, int]:
 def write_graphs(folder: Path, gm: fx.GraphModule, split_gm: fx.GraphModule, pieces) -> None:
     (folder / "pieces").mkdir(parents=True, exist_ok=True)
     (folder / "dynamo_graph.py").write_text(_readable(gm))
-    (folder / "split_graph.py").write_text(split_gm.code)
+    (folder / "split_graph.py").write_text(wrap_long_lines(split_gm.code))
     for piece in pieces:
         (folder / "pieces" / f"piece_{piece.index:02d}.py").write_text(_readable(piece.graph))
 
@@ -88,11 +117,17 @@ def piece_report(backend) -> list[dict[str, Any]]:
         else:
             canonical = backend.canonical.get(piece.name)
             found = histograms.get(canonical, {})
+            matches = {
+                name[len(canonical) :].lstrip("_") or "general": counts
+                for name, counts in backend.stats.piece_matches.items()
+                if name == canonical or name.startswith(canonical + "_size_")
+            }
             row.update(
                 kind="compiled",
                 compiled_as=canonical,
                 ops=found.get("after", {}),
                 ops_before_passes=found.get("before", {}),
+                pass_matches={v: {k: n for k, n in c.items() if n} for v, c in matches.items()},
             )
         rows.append(row)
     return rows
@@ -117,6 +152,7 @@ def write_report(root: Path, tag: str, backend) -> None:
             "loading": stats.load_s,
         },
         "pass_matches": stats.pass_matches,
+        "pass_matches_by_variant": stats.pass_matches_by_variant,
         "pieces": piece_report(backend),
     }
     path = root / "report.json"
@@ -124,6 +160,19 @@ def write_report(root: Path, tag: str, backend) -> None:
     report[tag] = entry
     path.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
     (root / "report.md").write_text(report_markdown(report))
+
+
+def _matches_table(entry: dict[str, Any]) -> list[str]:
+    """Sites each pass rewrote, over every piece, per variant of the code (the
+    symbolic-size code and each compile size); a pass that matched nothing shows 0."""
+    by_variant = entry.get("pass_matches_by_variant") or {"general": entry["pass_matches"]}
+    variants = sorted(by_variant, key=lambda v: (v != "general", len(v), v))
+    names = sorted({name for counts in by_variant.values() for name in counts})
+    lines = ["| pass | " + " | ".join(variants) + " |", "|---" * (len(variants) + 1) + "|"]
+    for name in names:
+        counts = [str(by_variant[v].get(name, 0)) for v in variants]
+        lines.append(f"| {name} | " + " | ".join(counts) + " |")
+    return lines
 
 
 def report_markdown(report: dict[str, Any]) -> str:
@@ -137,21 +186,25 @@ def report_markdown(report: dict[str, Any]) -> str:
             f"compile: tracing {secs['tracing']:.1f} s, Inductor {secs['inductor']:.1f} s, "
             f"loading {secs['loading']:.1f} s",
             "",
-            "| piece | kind | ops | most frequent |",
-            "|---|---|---|---|",
+            "| piece | kind | compiled as | ops | most frequent | pass matches |",
+            "|---|---|---|---|---|---|",
         ]
         for p in entry["pieces"]:
             top = sorted(p["ops"].items(), key=lambda kv: -kv[1])[:4]
             top_s = ", ".join(f"{k} {v}" for k, v in top)
-            lines.append(f"| {p['index']} | {p['kind']} | {sum(p['ops'].values())} | {top_s} |")
-        lines += [
-            "",
-            "Pass matches: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(entry["pass_matches"].items())) or "none"),
-            "",
-            "Cache key factors:",
-            "",
-        ]
+            shared = p.get("compiled_as") or ""
+            if shared and shared != f"piece_{p['index']}":
+                shared += " (shared)"
+            matches = "; ".join(
+                f"{variant}: " + ", ".join(f"{k} {n}" for k, n in sorted(c.items()))
+                for variant, c in sorted(p.get("pass_matches", {}).items())
+                if c
+            )
+            lines.append(
+                f"| {p['index']} | {p['kind']} | {shared} | {sum(p['ops'].values())} | {top_s} "
+                f"| {matches} |"
+            )
+        lines += ["", *_matches_table(entry), "", "Cache key factors:", ""]
         lines += [f"- {k}: `{str(v)[:120]}`" for k, v in sorted(entry["cache_factors"].items())]
         lines.append("")
     return "\n".join(lines)

@@ -193,20 +193,42 @@ def recipe_path(root: Path, tag: str, factors: dict[str, Any]) -> Path:
     return root / "recipes" / tag / f"{key[:24]}.json"
 
 
+_REGISTRATIONS = [0]
+
+
+def _count_registration(module: Any, name: str, value: Any) -> None:
+    _REGISTRATIONS[0] += 1
+
+
+# Any parameter or buffer set on any module (`module.weight = ...`,
+# `load_state_dict(assign=True)`) moves this count; copies into existing tensors do not
+# and need nothing, since they keep each tensor's storage.
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+
+
+def weights_version() -> int:
+    """Changes whenever a parameter or buffer object may have been replaced somewhere:
+    whatever holds parameters resolved earlier (a recipe, a CPU or CUDA graph) must
+    resolve them again."""
+    return _REGISTRATIONS[0]
+
+
 class RecipeRunner:
-    """Runs forward by the recipe: static inputs resolved once, the rest per call."""
+    """Runs forward by the recipe: static inputs (parameters, buffers) resolved once and
+    again after any of them is replaced; the rest per call."""
 
     def __init__(self, recipe: ForwardRecipe, module: torch.nn.Module, stitched: Any, forward):
         self.signature = inspect.signature(forward)
         self.stitched = stitched
-        static, parts = [], []
+        self.static_exprs, parts = [], []
         for expr in recipe.inputs:
             if _STATIC.match(expr):
-                parts.append(f"S[{len(static)}]")
-                static.append(eval(expr, {}, {"L": {"self": module}}))  # noqa: S307 - validated
+                parts.append(f"S[{len(self.static_exprs)}]")
+                self.static_exprs.append(expr)
             else:
                 parts.append(expr)
-        self.static = static
+        self._resolve(module)
         src = f"def make_args(L, S):\n    return ({', '.join(parts)},)\n"
         namespace: dict[str, Any] = {}
         exec(compile(src, "<compilecore recipe inputs>", "exec"), namespace)
@@ -215,7 +237,14 @@ class RecipeRunner:
         if self.output["kind"] == "object":
             self.output_class = forward.__globals__[self.output["class"]]
 
+    def _resolve(self, module: torch.nn.Module) -> None:
+        self.version = weights_version()
+        scope = {"L": {"self": module}}
+        self.static = [eval(e, {}, scope) for e in self.static_exprs]  # noqa: S307 - validated
+
     def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.version != _REGISTRATIONS[0]:
+            self._resolve(module)
         bound = self.signature.bind(module, *args, **kwargs)
         bound.apply_defaults()
         outs = self.stitched(*self.make_args(bound.arguments, self.static))

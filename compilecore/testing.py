@@ -12,10 +12,16 @@ builds the two models; see its docstring and the README for a test that runs as 
 `llama_configs()` draws valid small HF Llama configs; `batches()` draws mixtures of prefill
 chunks and decodes; `assert_compiled_matches_eager` runs both modules and fails on a
 numeric difference or on any recompilation; `assert_no_recompile()` guards a block.
+
+For pass authors: `check_pass(my_pass, fn, *inputs)` compiles `fn` with Inductor and the
+pass (verified), compares the result with eager and returns a `PassTestBackend` holding
+the post-grad graph before and after, the match count and op histograms (`count_ops`).
 """
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -24,8 +30,15 @@ from typing import Any
 import hypothesis
 import torch
 from hypothesis import strategies as st
+from torch import fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compilecore.counters import compilation_counter
+from passes.base import GraphPass, as_pass
+from passes.cleanup import CleanupPass
+from passes.config import PassConfig
+from passes.manager import PostGradPassManager, op_histogram
+from passes.noop_elimination import NoOpEliminationPass
 
 
 def settings(max_examples: int = 10, **kwargs: Any) -> hypothesis.settings:
@@ -94,11 +107,13 @@ class BatchSpec:
 def batches(
     draw, vocab_size: int = 320, max_seqs: int = 4, max_context: int = 48, max_query: int = 24
 ):
+    """Decodes first, then prefill chunks; a chunk may be a single token (a one-token
+    prompt, or the last token of a prompt whose rest is cached), which is not a decode."""
     n_decode = draw(st.integers(0, max_seqs))
     n_prefill = draw(st.integers(0 if n_decode else 1, max_seqs))
     seqs = [(draw(st.integers(1, max_context)), 1) for _ in range(n_decode)]
     seqs += [
-        (draw(st.integers(0, max_context)), draw(st.integers(2, max_query)))
+        (draw(st.integers(0, max_context)), draw(st.integers(1, max_query)))
         for _ in range(n_prefill)
     ]
     ids = [
@@ -108,11 +123,27 @@ def batches(
     return BatchSpec(seqs, ids)
 
 
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 @contextmanager
 def assert_no_recompile() -> Iterator[None]:
-    """Fail if anything in the block traces or compiles a graph again."""
+    """Fail if anything in the block traces or compiles a graph again: our backend's
+    counters, and Dynamo's own graph count for callables compiled with plain
+    torch.compile."""
+    before = _dynamo_graphs()
     with compilation_counter.expect(num_graphs_seen=0, num_recompiles=0, num_inductor_compiles=0):
         yield
+    traced = _dynamo_graphs() - before
+    if traced:
+        raise AssertionError(f"Dynamo traced {traced} new graph(s): the compiled code recompiled")
+
+
+# Compiled callables that had their one allowed first compile (the warm-up call).
+_WARMED_UP: weakref.WeakSet = weakref.WeakSet()
 
 
 def _flatten(out: Any) -> list[torch.Tensor]:
@@ -125,6 +156,16 @@ def _flatten(out: Any) -> list[torch.Tensor]:
     return [t for v in out for t in _flatten(v)]
 
 
+def _warmed_up(compiled: Callable) -> bool:
+    try:
+        if compiled in _WARMED_UP:
+            return True
+        _WARMED_UP.add(compiled)
+    except TypeError:  # not weak-referenceable (a bound method): warm up every time
+        pass
+    return False
+
+
 def assert_compiled_matches_eager(
     compiled: Callable,
     eager: Callable,
@@ -134,11 +175,13 @@ def assert_compiled_matches_eager(
     warm_up: bool = True,
 ) -> None:
     """Run both on `args` (inside `context()` if given) and compare every output tensor,
-    relative to its largest value; the compiled call must not recompile (after one
-    warm-up call that may compile). Default tolerance: 1e-5 for fp32, 2e-2 otherwise."""
+    relative to its largest value. The first call ever made here with a given `compiled`
+    callable may compile (a warm-up call); after that no call may, so a model that
+    specialises on a shape fails on the next shape drawn. Default tolerance: 1e-5 for
+    fp32, 2e-2 otherwise."""
     ctx = context or nullcontext
     with torch.inference_mode():
-        if warm_up:
+        if warm_up and not _warmed_up(compiled):
             with ctx():
                 compiled(*args)
         with assert_no_recompile(), ctx():
@@ -152,3 +195,77 @@ def assert_compiled_matches_eager(
         scale = max(w.float().abs().max().item(), 1e-6)
         diff = (g.float() - w.float()).abs().max().item()
         assert diff <= tol * scale, f"output {i}: compiled differs from eager by {diff:.3g}"
+
+
+class _Recorder(CustomGraphPass):
+    def __init__(self, backend: PassTestBackend):
+        self.backend = backend
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.backend.graph_before = copy.deepcopy(graph)
+        self.backend.manager(graph)
+        self.backend.graph_after = copy.deepcopy(graph)
+
+    def uuid(self) -> str:
+        return self.backend.manager.uuid()
+
+
+class PassTestBackend:
+    """A torch.compile backend (vLLM's tests/compile/backend.py idea): Inductor with the
+    given passes between no-op elimination and clean-up, keeping the post-grad graph
+    before and after them. `verify=True` runs the pass verifier on every pass."""
+
+    def __init__(self, *passes: Any, verify: bool = False):
+        self.manager = PostGradPassManager(
+            PassConfig(verify=verify),
+            passes=[NoOpEliminationPass(), *(as_pass(p) for p in passes), CleanupPass()],
+        )
+        self.graph_before: fx.Graph | None = None
+        self.graph_after: fx.Graph | None = None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {
+            "post_grad_custom_pre_pass": _Recorder(self),
+            "force_disable_caches": True,  # a cache hit would skip the passes
+        }
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    def matches(self, name: str) -> int:
+        return sum(counts.get(name, 0) for counts in self.manager.match_counts.values())
+
+    def ops_before(self) -> dict[str, int]:
+        return op_histogram(self.graph_before) if self.graph_before is not None else {}
+
+    def ops_after(self) -> dict[str, int]:
+        return op_histogram(self.graph_after) if self.graph_after is not None else {}
+
+
+def count_ops(graph: fx.Graph, target: Any) -> int:
+    """Calls of `target`: an op packet counts every one of its overloads."""
+
+    def same(t: Any) -> bool:
+        return t is target or getattr(t, "_overloadpacket", None) is target
+
+    return sum(1 for n in graph.nodes if n.op == "call_function" and same(n.target))
+
+
+def check_pass(
+    graph_pass: GraphPass | Any,
+    fn: Callable,
+    *inputs: torch.Tensor,
+    dynamic: bool = True,
+    rtol: float | None = None,
+) -> PassTestBackend:
+    """Compile `fn` with `graph_pass` (verified on every piece it matches, dim 0 of each
+    input unbacked like the engine's token dimension), check its output against eager
+    `fn`, and return the backend for op counts and `matches(name)`."""
+    torch._dynamo.reset()
+    backend = PassTestBackend(graph_pass, verify=True)
+    for t in inputs if dynamic else ():
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        assert_compiled_matches_eager(compiled, fn, *inputs, rtol=rtol)
+    return backend

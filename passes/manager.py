@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from torch import fx
@@ -46,7 +47,9 @@ def op_histogram(graph: fx.Graph) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def build_passes(switches: dict[str, bool], context: PassContext) -> list[GraphPass]:
+def build_passes(
+    switches: dict[str, bool], context: PassContext, custom: Sequence[GraphPass] = ()
+) -> list[GraphPass]:
     passes: list[GraphPass] = [NoOpEliminationPass()]
     if switches["fuse_allreduce_rms_norm"] and context.tp_size > 1 and context.tp_group_name:
         from passes.fuse_allreduce_rms_norm import AllReduceRMSNormFusionPass
@@ -64,6 +67,8 @@ def build_passes(switches: dict[str, bool], context: PassContext) -> list[GraphP
         from passes.fuse_qkv_rope import QKVRoPEFusionPass
 
         passes.append(QKVRoPEFusionPass(context.attention_shapes))
+    # User passes see the built-in fusions' ops and leave the clean-up to the manager.
+    passes.extend(custom)
     passes.append(CleanupPass())
     return passes
 
@@ -74,11 +79,14 @@ class PostGradPassManager(CustomGraphPass):
         config: PassConfig | None = None,
         context: PassContext | None = None,
         passes: list[GraphPass] | None = None,
+        custom_passes: Sequence[GraphPass] = (),
     ):
         self.config = config or PassConfig()
         self.context = context or PassContext()
         self.switches = self.config.resolved(self.context.device_type)
-        self.passes = passes if passes is not None else build_passes(self.switches, self.context)
+        if passes is None:
+            passes = build_passes(self.switches, self.context, custom_passes)
+        self.passes = passes
         self.current_piece = "graph"  # set by the backend before each piece's compile
         # piece -> pass name -> sites matched (only pieces actually compiled, not cache hits)
         self.match_counts: dict[str, dict[str, int]] = {}
@@ -97,20 +105,23 @@ class PostGradPassManager(CustomGraphPass):
             counts[graph_pass.name] = counts.get(graph_pass.name, 0) + matched
             logger.debug("%s: pass %s matched %d", self.current_piece, graph_pass.name, matched)
             if self.context.dump_dir:
-                self._dump(step, graph_pass.name, before, graph)
+                self._dump(step, graph_pass.name, before, graph, matched)
             if verify and matched:
                 verify_pass(graph_pass.name, before, graph, self.current_piece)
         histogram["after"] = op_histogram(graph)
         self.histograms[self.current_piece] = histogram
 
-    def _dump(self, step: int, name: str, before: fx.Graph, after: fx.Graph) -> None:
+    def _dump(self, step: int, name: str, before: fx.Graph, after: fx.Graph, matched: int) -> None:
         folder = Path(self.context.dump_dir) / self.current_piece
         folder.mkdir(parents=True, exist_ok=True)
-        # Named by pass, not by position, so dumps with other passes on still pair up.
-        for label, graph in (("before", before), ("after", after)):
-            (folder / f"{name}.{label}.py").write_text(graph.python_code("self").src)
         with open(folder / "order.txt", "w" if step == 0 else "a") as f:
-            f.write(name + "\n")
+            f.write(f"{name} {matched}\n")
+        if not matched:  # the report says it matched 0; a pair of equal files says nothing
+            return
+        # Named by pass, not by position, so dumps with other passes on still pair up.
+        # verbose: each value's dtype and shape; the `# File:` lines are the source lines.
+        for label, graph in (("before", before), ("after", after)):
+            (folder / f"{name}.{label}.py").write_text(graph.python_code("self", verbose=True).src)
 
     def uuid(self) -> str:
         parts = [

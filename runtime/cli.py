@@ -25,6 +25,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
     g.add_argument("--eager", action="store_true", help="run the plain module (no torch.compile)")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    _add_custom_pass_arg(g)
+
+
+def _add_custom_pass_arg(g) -> None:
+    g.add_argument(
+        "--custom-pass", action="append", default=[], metavar="MODULE:ATTR",
+        help="a user pass (passes.GraphPass, PatternPass, a factory of one, or a function "
+        "graph -> int) by import path, e.g. examples.silu_mul_pass:silu_mul_pass; repeatable",
+    )  # fmt: skip
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -45,6 +54,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
         "kv_cache_memory": args.kv_cache_memory,
         "enforce_eager": args.eager,
         "seed": args.seed,
+        "compilation_config": {"custom_passes": args.custom_pass},
     }
 
 
@@ -134,7 +144,11 @@ def cmd_dump(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
-        compilation_config={"debug_dump_path": args.out, "passes": passes},
+        compilation_config={
+            "debug_dump_path": args.out,
+            "passes": passes,
+            "custom_passes": args.custom_pass,
+        },
     )
     if args.prompt:
         out = llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
@@ -147,7 +161,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from compilecore.dump_diff import diff_dumps, format_diff
 
     diff = diff_dumps(args.a, args.b)
-    print(format_diff(diff, stat=args.stat))
+    print(format_diff(diff, stat=args.stat, kernels=args.kernels))
     return 0 if diff.equal else 1
 
 
@@ -258,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     dump.add_argument(
         "--verify", action="store_true", help="verify every pass on every piece (names a bad one)"
     )
+    _add_custom_pass_arg(dump)
     dump.add_argument("--model", default=None, help="HF model folder (default: SmolLM2)")
     dump.add_argument("--dtype", default="auto")
     dump.add_argument("--max-model-len", type=int, default=None)
@@ -268,12 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
         "diff",
         help="compare two dumps (exit 0 when equal, 1 when not)",
         description="Pair the files of two dumps, normalize addresses, "
-        "generated names, hashes and paths, and print per-piece "
-        "op-count deltas and a unified diff of each changed file.",
+        "generated names, hashes and paths, and print what each pass rewrote "
+        "(its own before/after graphs, identical pieces grouped), the op-count "
+        "deltas, then a unified diff of each other changed file.",
     )
     diff.add_argument("a")
     diff.add_argument("b")
     diff.add_argument("--stat", action="store_true", help="the summary only")
+    diff.add_argument("--kernels", action="store_true", help="also diff Inductor's output code")
     diff.set_defaults(func=cmd_diff)
 
     serve = sub.add_parser(
@@ -289,8 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (then 503)")
     serve.add_argument("--log-level", default="warning")
-    serve.add_argument("--switch-interval", type=float, default=0.0005,
-                       help="Python's thread switch interval in seconds (engine vs HTTP)")
+    serve.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.0005,
+        help="Python's thread switch interval in seconds (engine vs HTTP)",
+    )
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -22,6 +22,7 @@ from compilecore.compile_cache import compile_cache_root
 from compilecore.config import EngineConfig
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
+from compilecore.recipe import weights_version
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
@@ -170,6 +171,8 @@ class ModelRunner:
         self.cpu_graph_sizes = set(cc.compile_sizes or []) if cpu_graphs else set()
         self.cpu_graph_order = sorted(self.cpu_graph_sizes)
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
+        # Graphs hold raw weight addresses: a replaced parameter makes them stale.
+        self.cpu_graphs_version = weights_version()
 
     @property
     def attention_layers(self) -> dict[str, nn.Module]:
@@ -234,6 +237,9 @@ class ModelRunner:
         """Run this rank's stage. Returns logits [len(plan.logits_rows), vocab] on global
         rank 0 (the driver), None elsewhere."""
         n = plan.num_tokens
+        if self.cpu_graphs_version != weights_version():  # a weight replaced: re-record
+            self.cpu_graphs.clear()
+            self.cpu_graphs_version = weights_version()
         size = self._cpu_graph_size(plan)
         if size is not None and self.cpu_graphs.get(size, _MISSING) is not None:
             _, meta = self._load(pad_decode_plan(plan, size))

@@ -20,9 +20,9 @@ def init_gloo(rank: int, world_size: int, port: int) -> None:
 
 
 def allreduce_fusion_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    from compilecore.testing import PassTestBackend, count_ops
     from passes.fuse_allreduce_rms_norm import AllReduceRMSNormFusionPass
     from passes.ops.add_rms_norm import fused_add_rms_norm_ref
-    from tests.pass_backend import PassTestBackend, count_ops
 
     init_gloo(rank, world_size, port)
     group = dist.group.WORLD

@@ -292,7 +292,8 @@ def _call(model, cfg):
     return run
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.slow
+@testing.settings(max_examples=12)
 @given(
     config=testing.llama_configs(max_layers=2),
     sizes=st.lists(testing.token_counts(64), min_size=2, max_size=4),
@@ -309,7 +310,7 @@ def test_any_llama_config_compiled_equals_eager(tmp_path_factory, config, sizes)
         testing.assert_compiled_matches_eager(compiled, eager, ids, torch.arange(n))
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@testing.settings(max_examples=30)
 @given(spec=testing.batches(max_seqs=3, max_context=20, max_query=12))
 def test_padding_invariance(tiny_llama, padded_llm, spec):
     """Padding a batch up to a CUDA-graph size (token 0, position 0, written nowhere)

@@ -178,3 +178,21 @@ def test_decode_batches_pad_to_the_next_compile_size(tiny_llama, tmp_path):
             "cache_dir": str(tmp_path / str(sizes)), "compile_sizes": sizes})  # fmt: skip
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]
+
+
+def test_replaced_weights_are_used_by_the_next_decode(tiny_llama, tmp_path):
+    """A graph holds raw weight addresses: replacing parameters (a weight reload with
+    `load_state_dict(assign=True)`) must re-record it, and the recipe must look the new
+    parameters up, or decode would read the old (or freed) weights."""
+    llm = LLM(str(tiny_llama[0]), compilation_config={"cache_dir": str(tmp_path)})
+    before = _tokens(llm)
+    runner = llm.llm_engine.runner
+    old_graph = runner.cpu_graphs[1]
+    assert isinstance(old_graph, cpu_graph.CpuGraph)
+    new = {n: p.detach().flip(0).clone() for n, p in runner.model.named_parameters()}
+    runner.model.load_state_dict(new, strict=False, assign=True)
+    after = _tokens(llm)
+    assert isinstance(runner.cpu_graphs[1], cpu_graph.CpuGraph)
+    assert runner.cpu_graphs[1] is not old_graph  # recorded again
+    runner.cpu_graphs[1] = None  # piece by piece: the recipe with the new parameters
+    assert _tokens(llm) == after != before

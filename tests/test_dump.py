@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from compilecore.dump_diff import NotADumpError, diff_dumps
+from tests.helpers import llama_config, save_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -19,37 +20,61 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+LAYERS = 4  # enough for identical middle layers that compile once and group in diffs
+
+
 @pytest.fixture(scope="module")
-def dumps(tiny_llama, tmp_path_factory):
+def four_layers(tmp_path_factory, tokenizer_dir):
+    path = tmp_path_factory.mktemp("four_layers")
+    save_checkpoint(path, llama_config(num_hidden_layers=LAYERS), tokenizer_dir=tokenizer_dir)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dumps(four_layers, tmp_path_factory):
     root = tmp_path_factory.mktemp("dumps")
     made = {}
-    for name, passes in (("off1", []), ("off2", []), ("on", ["fuse_add_rms_norm", "qkv_rope"])):
+    for name, flags in (
+        ("off1", []),
+        ("off2", []),
+        ("on", ["--passes", "fuse_add_rms_norm", "qkv_rope"]),
+        ("user", ["--custom-pass", "examples.silu_mul_pass:silu_mul_pass", "--verify"]),
+    ):
         res = _cli(
-            "dump",
-            "--model",
-            str(tiny_llama[0]),
-            "--out",
-            str(root / name),
-            "--prompt",
-            "abc",
-            *(["--passes", *passes] if passes else []),
-        )
+            "dump", "--model", str(four_layers), "--out", str(root / name), "--prompt", "abc",
+            *flags,
+        )  # fmt: skip
         assert res.returncode == 0, res.stderr[-3000:]
         made[name] = root / name
     return made
 
 
-def test_dump_has_every_file(dumps, tiny_llama):
-    layers = tiny_llama[1].config.num_hidden_layers
+def test_dump_has_every_file(dumps):
+    layers = LAYERS
     rank = dumps["on"] / "rank_0"
     folder = rank / "LlamaModel.model"
     for name in ("transformed_code.py", "dynamo_graph.py", "split_graph.py"):
         assert (folder / name).stat().st_size > 0, name
+        assert max(len(line) for line in (folder / name).read_text().splitlines()) < 400, name
     assert "__compiled_fn" in (folder / "transformed_code.py").read_text()
     assert len(list((folder / "pieces").glob("piece_*.py"))) == 2 * layers + 1
-    assert len(list((folder / "inductor").glob("piece_*.py"))) == 3  # first, middle, last
+    # first, middle, last: the symbolic-size code and batch-1 decode's, each readable
+    inductor = sorted(p.stem for p in (folder / "inductor").glob("piece_*.py"))
+    assert inductor == [f"piece_{i}{s}" for i in (0, 2, 2 * layers) for s in ("", "_size_1")]
     report = json.loads((rank / "report.json").read_text())["LlamaModel.model"]
     assert report["pass_matches"]["fuse_add_rms_norm"] == 2 * layers
+    # qkv of layer 0; o, gate/up, down and the next qkv per middle piece; o, gate/up, down
+    gemv = report["pass_matches_by_variant"]["size_1"]["gemv_to_reduction"]
+    assert (
+        gemv == 4 * layers
+        and report["pass_matches_by_variant"]["general"].get("gemv_to_reduction", 0) == 0
+    )
+    md = (rank / "report.md").read_text()
+    assert f"| gemv_to_reduction | 0 | {4 * layers} |" in md
+    assert "piece_2 (shared)" in md  # the middle layers run one compile
+    passes = folder / "passes" / "piece_2"
+    assert not (passes / "noop_elimination.before.py").exists()  # matched nothing: no files
+    assert "noop_elimination 0" in (passes / "order.txt").read_text()
     assert {"torch", "triton", "depyf"} <= set(report["versions"])
     assert "traced_sources" in report["cache_factors"]
     assert (rank / "report.md").read_text().startswith("# compilecore dump")
@@ -59,8 +84,8 @@ def test_dump_has_every_file(dumps, tiny_llama):
     assert "fused_add_rms_norm" in after and "aten.rsqrt" not in after
 
 
-def test_diff_reports_the_expected_op_deltas(dumps, tiny_llama):
-    layers = tiny_llama[1].config.num_hidden_layers
+def test_diff_reports_the_expected_op_deltas(dumps):
+    layers = LAYERS
     diff = diff_dumps(dumps["off1"], dumps["on"])
     total = diff.total_deltas()
     assert total["compilecore.fused_add_rms_norm"] == 2 * layers
@@ -70,6 +95,25 @@ def test_diff_reports_the_expected_op_deltas(dumps, tiny_llama):
     res = _cli("diff", str(dumps["off1"]), str(dumps["on"]), "--stat")
     assert res.returncode == 1
     assert f"+compilecore.fused_add_rms_norm {2 * layers}" in res.stdout
+    # The passes' own rewrites come first; identical layers are one line.
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("pass fuse_add_rms_norm (rewrote in B"), first
+    assert f"piece_02..piece_{2 * layers - 2:02d} ({layers - 1} pieces)" in res.stdout
+    assert "Inductor code files differ (--kernels shows them)" in res.stdout
+    full = _cli("diff", str(dumps["off1"]), str(dumps["on"])).stdout
+    passes_part = full.split("op deltas")[0]  # the unified diffs of the passes' graphs
+    assert "+    " in passes_part and "compilecore.fused_add_rms_norm.default" in passes_part
+    assert "inductor/" not in full  # kernels only with --kernels
+    assert "inductor/" in _cli("diff", str(dumps["off1"]), str(dumps["on"]), "--kernels").stdout
+
+
+def test_a_user_pass_from_the_cli_is_dumped_verified_and_diffed(dumps):
+    report = json.loads((dumps["user"] / "rank_0" / "report.json").read_text())
+    matches = report["LlamaModel.model"]["pass_matches_by_variant"]
+    assert matches["general"]["fuse_silu_mul"] == LAYERS == matches["size_1"]["fuse_silu_mul"]
+    diff = diff_dumps(dumps["off1"], dumps["user"])
+    assert diff.total_deltas()["examples.silu_and_mul"] == LAYERS
+    assert [c.name for c in diff.pass_changes] == ["fuse_silu_mul"]
 
 
 def test_dumps_from_two_processes_diff_equal(dumps):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import passes.fuse_add_rms_norm as add_rms_module
+from compilecore.testing import PassTestBackend, count_ops
 from models.layers.layernorm import RMSNorm
 from models.layers.rotary_embedding import RotaryEmbedding
 from passes.base import GraphPass
@@ -21,7 +22,6 @@ from passes.fuse_add_rms_norm import AddRMSNormFusionPass
 from passes.fuse_qkv_rope import QKVRoPEFusionPass
 from passes.manager import PostGradPassManager
 from passes.verifier import PassVerificationError
-from tests.pass_backend import PassTestBackend, count_ops
 
 aten = torch.ops.aten
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -1,0 +1,1 @@
+"""User passes written against compilecore's public pass API (README: "Write a pass")."""
