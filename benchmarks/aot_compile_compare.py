@@ -7,6 +7,7 @@ per-call host time, each phase in a fresh process.
 Both variants compile the same random-weight Llama (the default model's shapes, fewer
 layers, bf16) and run it with dense attention:
 - recipe: our `support_torch_compile` (piecewise, per-piece Inductor, forward recipe);
+- recipe-whole: the same with `splitting_ops=[]`, one graph like the AOT variant's;
 - aot: the eager module's forward through `torch.compile(fullgraph=True)` with Inductor,
   AOT-compiled, saved and loaded (one graph: torch's AOT path has no piecewise split).
 `first_call_s` is the time from a built model to the first forward's output in a fresh
@@ -39,12 +40,13 @@ def _model(variant: str, layers: int, width: int, cache: str):
     hf = LlamaConfig(
         vocab_size=49152 if width > 64 else 320, hidden_size=width,
         intermediate_size=width * 8 // 3 if width > 64 else 128, num_hidden_layers=layers,
-        num_attention_heads=max(width // 64, 1) * 3 if width > 64 else 4,
+        num_attention_heads=width // 64 if width > 64 else 4,
         num_key_value_heads=3 if width > 64 else 2, max_position_embeddings=2048,
         tie_word_embeddings=True,
     )  # fmt: skip
-    if variant == "recipe":
-        cc = CompilationConfig(cache_dir=cache, compile_sizes=[], cpu_graphs=False)
+    if variant.startswith("recipe"):
+        whole = {"splitting_ops": []} if variant == "recipe-whole" else {}
+        cc = CompilationConfig(cache_dir=cache, compile_sizes=[], cpu_graphs=False, **whole)
     else:
         cc = CompilationConfig(mode="none")
     dtype = torch.bfloat16 if width > 64 else torch.float32
@@ -53,6 +55,10 @@ def _model(variant: str, layers: int, width: int, cache: str):
         for p in model.parameters():
             p.normal_(0, 0.02)
     return model, config
+
+
+def forward(model, input_ids, positions):
+    return model(input_ids, positions)
 
 
 def child(variant: str, phase: str, layers: int, width: int, cache: str, calls: int) -> dict:
@@ -68,22 +74,21 @@ def child(variant: str, phase: str, layers: int, width: int, cache: str, calls: 
 
     def run(fn, n: int):
         with set_forward_context(AttentionMetadata.dense([n]), config), torch.inference_mode():
-            return fn(ids[:n], pos[:n])
+            return fn(model, ids[:n], pos[:n])
 
     start = time.perf_counter()
-    if variant == "recipe":
-        fn = model
+    if variant.startswith("recipe"):
+        fn = forward
     elif phase == "cold":
         torch._dynamo.decorators.mark_unbacked(ids, 0)
         torch._dynamo.decorators.mark_unbacked(pos, 0)
-        compiled = torch.compile(model.forward, fullgraph=True, backend="inductor")
+        compiled = torch.compile(forward, fullgraph=True, backend="inductor")
         with set_forward_context(AttentionMetadata.dense([4]), config), torch.inference_mode():
-            fn = compiled.aot_compile(((ids, pos), {}))
+            fn = compiled.aot_compile(((model, ids, pos), {}))
         fn.save_compiled_function(str(path))
     else:
         with open(path, "rb") as f:
-            fn = torch.compiler.load_compiled_function(f, f_globals=model.forward.__globals__)
-        fn = fn.__get__(model) if hasattr(fn, "__get__") else fn
+            fn = torch.compiler.load_compiled_function(f, f_globals=globals())
     run(fn, 4)
     first = time.perf_counter() - start
     times = []
@@ -115,7 +120,7 @@ def main() -> None:
         print(json.dumps(child(variant, phase, int(layers), int(width), cache, int(calls))))
         return
     rows = []
-    for variant in ("recipe", "aot"):
+    for variant in ("recipe", "recipe-whole", "aot"):
         for label, layers, width in (("warm start", args.layers, 576), ("host", 1, 64)):
             with tempfile.TemporaryDirectory() as cache:
                 common = (str(layers), str(width), cache, str(args.calls))
@@ -128,7 +133,8 @@ def main() -> None:
     for r in rows:
         c, w = r["cold"], r["warm"]
         if "error" in c or "error" in w:
-            print(f"| {r['variant']} | {r['model']} | {c.get('error', '')} | {w.get('error', '')} | |")
+            errors = f"{c.get('error', '')} | {w.get('error', '')}"
+            print(f"| {r['variant']} | {r['model']} | {errors} | |")
             continue
         print(
             f"| {r['variant']} | {r['model']} | {c['first_call_s']:.2f} | "

@@ -20,6 +20,7 @@ import torch
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
 from compilecore.forward_context import get_forward_context, is_forward_context_available
+from compilecore.recipe import weights_version
 
 logger = logging.getLogger("compilecore")
 
@@ -43,6 +44,15 @@ class _Entry:
     graph: Any
     output: Any
     input_ptrs: list[int]
+    # Inputs that are not parameters (activations, persistent step buffers): few, so
+    # their addresses are checked on every replay; the weights only in debug mode, and
+    # their replacement through the registration count.
+    moving: list[int]
+    weights_version: int
+
+
+def _is_activation(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
 
 
 class CUDAGraphWrapper:
@@ -53,6 +63,7 @@ class CUDAGraphWrapper:
         cc = engine_config.compilation_config
         self.enabled = engine_config.device.type == "cuda" and bool(cc.cudagraph_capture_sizes)
         self.sizes = set(cc.cudagraph_capture_sizes or [])
+        self.debug = cc.debug
         self.entries: dict[int, _Entry] = {}
 
     def _num_tokens(self, args: tuple) -> int | None:
@@ -78,18 +89,30 @@ class CUDAGraphWrapper:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=graph_pool()):
             output = self.runnable(*args)
-        ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
-        self.entries[n] = _Entry(graph, output, ptrs)
+        ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+        moving = [i for i, a in enumerate(args) if _is_activation(a)]
+        self.entries[n] = _Entry(graph, output, ptrs, moving, weights_version())
         compilation_counter.num_cudagraph_captured += 1
         return output
 
     def _replay(self, entry: _Entry, args: tuple) -> Any:
-        if __debug__:
-            ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
-            if ptrs != entry.input_ptrs:
+        # Not an `assert`: under `python -O` a moved input would silently read stale memory.
+        for i in entry.moving:
+            if args[i].data_ptr() != entry.input_ptrs[i]:
                 raise RuntimeError(
-                    f"piece {self.index}: inputs moved since capture; CUDA graph inputs must "
-                    "live in persistent buffers"
+                    f"piece {self.index}: input {i} moved since capture; CUDA graph inputs "
+                    "must live in persistent buffers"
                 )
+        if entry.weights_version != weights_version() or self.debug:
+            self._check_weights(entry, args)
         entry.graph.replay()
         return entry.output
+
+    def _check_weights(self, entry: _Entry, args: tuple) -> None:
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.data_ptr() != entry.input_ptrs[i]:
+                raise RuntimeError(
+                    f"piece {self.index}: weight input {i} was replaced after capture; load "
+                    "new weights in place (copy_) or build the engine again"
+                )
+        entry.weights_version = weights_version()

@@ -8,7 +8,7 @@ and parameter tree as HF transformers' `LlamaForCausalLM`, over a flat token dim
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -294,6 +294,7 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                 config.vocab_size,
                 scale=getattr(config, "logit_scale", 1.0),
                 small_batch_gemv=_small_batch_gemv(engine_config),
+                linear=_batched_lm_head(engine_config),
             )
         else:
             self.lm_head = PPMissingLayer()
@@ -374,6 +375,22 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                 + ", ".join(sorted(missing))
             )
         return set(shards)
+
+
+def _batched_lm_head(engine_config: EngineConfig) -> Callable | None:
+    """Compiled bf16/fp16 engines on CPU run the LM head over several rows as the
+    `onednn_linear` pass runs the model's own GEMMs."""
+    from passes.ops import onednn_linear
+
+    cc, dtype = engine_config.compilation_config, engine_config.model_config.dtype
+    if (
+        engine_config.device.type != "cpu"
+        or cc.mode == "none"
+        or dtype not in onednn_linear.supported_dtypes()
+        or not cc.passes.resolved("cpu")["onednn_linear"]
+    ):
+        return None
+    return torch.ops.compilecore.onednn_mm
 
 
 def _small_batch_gemv(engine_config: EngineConfig) -> StaticShapeFunction | None:

@@ -67,6 +67,13 @@ def build_passes(
         from passes.fuse_qkv_rope import QKVRoPEFusionPass
 
         passes.append(QKVRoPEFusionPass(context.attention_shapes))
+    # Last of the built-ins: fusion patterns above still see plain mm.
+    if switches["onednn_linear"] and context.device_type == "cpu":
+        from passes.onednn_linear import OneDnnLinearPass
+        from passes.ops.onednn_linear import available
+
+        if available():
+            passes.append(OneDnnLinearPass())
     # User passes see the built-in fusions' ops and leave the clean-up to the manager.
     passes.extend(custom)
     passes.append(CleanupPass())

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from passes.config import DEVICE_DEFAULTS
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
 
@@ -122,8 +123,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 # The pass switches, by the names Python takes (compilation_config["passes"]); the short
 # names the CLI used to take still work.
-PASS_SWITCHES = ("fuse_add_rms_norm", "fuse_qkv_rope", "fuse_allreduce_rms_norm",
-                 "gemv_to_reduction")  # fmt: skip
+PASS_SWITCHES = tuple(DEVICE_DEFAULTS["cpu"])
 PASS_ALIASES = {"add_rms_norm": "fuse_add_rms_norm", "qkv_rope": "fuse_qkv_rope",
                 "allreduce_rms_norm": "fuse_allreduce_rms_norm"}  # fmt: skip
 

@@ -171,6 +171,7 @@ class ModelRunner:
         self.cpu_graph_sizes = set(cc.compile_sizes or []) if cpu_graphs else set()
         self.cpu_graph_order = sorted(self.cpu_graph_sizes)
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
+        self._pp_buffers: Any = None  # a later pipeline stage's receive buffers
         # Graphs hold raw weight addresses: a replaced parameter makes them stale.
         self.cpu_graphs_version = weights_version()
 
@@ -250,7 +251,7 @@ class ModelRunner:
         pp = get_pp_group()
         inputs = None
         if not pp.is_first_rank:  # hidden states and residual from the stage before
-            inputs = self.model.make_empty_intermediate_tensors(padded, self.dtype, self.device)
+            inputs = self._intermediate_inputs(padded)
             pp.recv_tensors(inputs.tensors, src=pp.rank_in_group - 1)
         with set_forward_context(meta, self.config):
             out = self.model(self.input_ids[:padded], self.positions[:padded], inputs)
@@ -264,6 +265,18 @@ class ModelRunner:
         if world_rank() != 0 and get_tp_group().is_first_rank and pp.world_size > 1:
             pp.send_tensors({"logits": logits}, dst=0)
         return logits if world_rank() == 0 else None
+
+    def _intermediate_inputs(self, n: int) -> Any:
+        """The previous stage's hidden states and residual land in persistent buffers
+        (views of one allocation at the token budget): a CUDA graph of the first piece
+        reads them at the addresses it was captured with."""
+        if self._pp_buffers is None:
+            most = self.config.scheduler_config.max_num_batched_tokens
+            self._pp_buffers = self.model.make_empty_intermediate_tensors(
+                most, self.dtype, self.device
+            )
+        full = self._pp_buffers
+        return type(full)({k: v[:n] for k, v in full.tensors.items()})
 
     def _cpu_graph_size(self, plan: StepPlan) -> int | None:
         """The CPU-graph size for a decode-only step: its batch, padded up to the next

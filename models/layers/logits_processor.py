@@ -15,7 +15,9 @@ class LogitsProcessor(nn.Module):
 
     With `small_batch_gemv` (compiled engines on CPU: `passes.ops.gemv.gemv_logits`
     compiled per shape), a single row goes through a reduction loop that reads the (large) LM
-    head weight at close to memory bandwidth and returns fp32 logits."""
+    head weight at close to memory bandwidth and returns fp32 logits; with `linear`
+    (compiled bf16 engines on CPU: `compilecore.onednn_mm`), more rows go through oneDNN on
+    a weight reordered once."""
 
     # One row: a reduction over several rows re-reads the weight per row (batch-4 decode
     # 120 -> 137 tok/s with F.linear instead, benchmarks/NOTES.md section 20).
@@ -26,16 +28,20 @@ class LogitsProcessor(nn.Module):
         vocab_size: int,
         scale: float = 1.0,
         small_batch_gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ):
         super().__init__()
         self.vocab_size, self.scale = vocab_size, scale
         self.small_batch_gemv = small_batch_gemv
+        self.linear = linear
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.small_batch_gemv is not None and hidden_states.shape[0] <= self.SMALL_BATCH:
             logits = self.small_batch_gemv(hidden_states, lm_head.weight)
             if lm_head.bias is not None:
                 logits = logits + lm_head.bias
+        elif self.linear is not None and lm_head.bias is None:
+            logits = self.linear(hidden_states, lm_head.weight)
         else:
             logits = F.linear(hidden_states, lm_head.weight, lm_head.bias)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., : self.vocab_size]

@@ -1,0 +1,253 @@
+"""The device check: everything the GPU path must prove on its first device run, as one
+script that finishes in minutes.
+
+    python benchmarks/gpu_check.py OUT            # on a CUDA machine (benchmarks/gpu_check.sh)
+    python benchmarks/gpu_check.py OUT --dry-run  # the same steps on CPU with tiny models (CI)
+
+Steps, in order: the GPU-marked tests; greedy tokens of a small model equal on CPU (eager)
+and on the device (compiled); seeded temperature sampling on the device; compiled with
+graphs (CUDA graphs; CPU graphs in a dry run) against eager at batch 1 (target >= 2x on a
+GPU); batch-1 decode of a 1B-class Llama with random weights against a device-to-device
+copy (target >= 85% on a GPU); each fusion pass on (and verified) against off; tensor
+parallelism 2 against 1 when two devices exist. Writes OUT/gpu_check.json and
+OUT/gpu_check.md and exits 1 naming every failed step (2 without a device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copy_bandwidth, decode_speed, weight_bytes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = [[5, 6, 7, 8, 9, 10], [42, 17, 3], [100 + i for i in range(30)]]
+
+
+class StepFailed(AssertionError):
+    pass
+
+
+@dataclass
+class Check:
+    device: str
+    dry_run: bool
+    folder: Path  # the checkpoints
+    out: Path
+    llms: dict[str, object] = field(default_factory=dict)
+
+    def model(self, name: str) -> str:
+        """A random-weight checkpoint: `small` (2 layers) or `big` (1B-class; tiny in a
+        dry run), built once."""
+        path = self.folder / name
+        if not path.exists():
+            build_checkpoint(path, big=name == "big" and not self.dry_run, device=self.device)
+        return str(path)
+
+    def llm(self, key: str, model: str = "small", **kwargs):
+        from runtime import LLM
+
+        if key not in self.llms:
+            kwargs.setdefault("device", self.device)
+            if kwargs["device"] == "cuda":  # several engines share the device here
+                kwargs.setdefault("kv_cache_memory", 512 << 20)
+            self.llms[key] = LLM(self.model(model), max_model_len=1024, **kwargs)
+        return self.llms[key]
+
+    def drop(self) -> None:
+        for llm in self.llms.values():
+            llm.shutdown()
+        self.llms.clear()
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def build_checkpoint(folder: Path, big: bool, device: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    sizes = (
+        dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8)
+        if big
+        else dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    )  # fmt: skip
+    config = LlamaConfig(**sizes, max_position_embeddings=4096, tie_word_embeddings=big)
+    torch.manual_seed(0)
+    with torch.device(device if big else "cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16 if big else torch.float32)
+    model.save_pretrained(str(folder))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, sizes["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(str(folder))
+
+
+def greedy(llm, tokens: int = 16) -> list[list[int]]:
+    from runtime import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def step_gpu_tests(check: Check) -> dict:
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    (check.out / "gpu_tests.log").write_text(res.stdout + res.stderr)
+    summary = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
+    if res.returncode not in (0, 5):  # 5: nothing collected
+        raise StepFailed(f"pytest -m gpu: {summary}")
+    return {"summary": summary}
+
+
+def step_greedy_cpu_vs_device(check: Check) -> dict:
+    want = greedy(check.llm("cpu eager", device="cpu", enforce_eager=True))
+    got = greedy(check.llm("device"))
+    if got != want:
+        raise StepFailed(f"greedy tokens differ: device {got} vs CPU {want}")
+    return {"prompts": len(PROMPTS), "tokens_each": len(want[0])}
+
+
+def step_temperature_sampling(check: Check) -> dict:
+    from runtime import SamplingParams
+
+    llm = check.llm("device")
+
+    def sample(seed: int) -> list[list[int]]:
+        params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    first, again, other = sample(7), sample(7), sample(8)
+    if first != again:
+        raise StepFailed("the same seed gave different samples")
+    if first == other:
+        raise StepFailed("two seeds gave the same samples")
+    return {"samples": sum(len(t) for t in first)}
+
+
+def step_graphs_vs_eager(check: Check) -> dict:
+    prompt, tokens = PROMPTS[2], 64
+    eager = decode_speed(check.llm("device eager", enforce_eager=True), prompt, tokens, 3)
+    graphs = decode_speed(check.llm("device"), prompt, tokens, 3)
+    ratio = graphs / eager
+    result = {"eager_tok_s": eager, "graphs_tok_s": graphs, "ratio": ratio, "target": 2.0}
+    if not check.dry_run and ratio < 2.0:
+        raise StepFailed(f"graphs {ratio:.2f}x eager at batch 1 (target 2x): {result}")
+    return result
+
+
+def step_decode_bandwidth(check: Check) -> dict:
+    check.drop()  # the 1B model wants the memory
+    bandwidth = copy_bandwidth(check.device, (2 << 30) if check.device == "cuda" else 256 << 20)
+    llm = check.llm("big", model="big", dtype="bfloat16")
+    speed = decode_speed(llm, PROMPTS[2], 128 if not check.dry_run else 32, 3)
+    share = weight_bytes(llm) * speed / 1e9 / bandwidth
+    check.drop()
+    result = {"tok_s": speed, "copy_GB_s": bandwidth, "of_copy": share, "target": 0.85}
+    if not check.dry_run and share < 0.85:
+        raise StepFailed(f"batch-1 decode at {share:.0%} of copy bandwidth (target 85%)")
+    return result
+
+
+def step_passes_on_off(check: Check) -> dict:
+    want = greedy(check.llm("device"))
+    done = {}
+    for name in ("fuse_add_rms_norm", "fuse_qkv_rope"):
+        passes = {name: True, "verify": True}
+        llm = check.llm(f"device {name}", compilation_config={"passes": passes})
+        got = greedy(llm)
+        if got != want:
+            raise StepFailed(f"{name} on changed greedy tokens: {got} vs {want}")
+        done[name] = "equal"
+    return done
+
+
+def step_tensor_parallel(check: Check) -> dict:
+    if check.dry_run or torch.cuda.device_count() < 2:
+        return {"skipped": "fewer than two devices"}
+    want = greedy(check.llm("device"))
+    got = greedy(check.llm("tp2", tensor_parallel_size=2))
+    if got != want:
+        raise StepFailed(f"TP=2 greedy tokens differ: {got} vs {want}")
+    return {"tp": 2}
+
+
+STEPS: list[tuple[str, Callable[[Check], dict]]] = [
+    ("gpu_tests", step_gpu_tests),
+    ("greedy_cpu_vs_device", step_greedy_cpu_vs_device),
+    ("temperature_sampling", step_temperature_sampling),
+    ("graphs_vs_eager", step_graphs_vs_eager),
+    ("decode_bandwidth", step_decode_bandwidth),
+    ("passes_on_off", step_passes_on_off),
+    ("tensor_parallel", step_tensor_parallel),
+]
+
+
+def write_summary(out: Path, rows: list[dict], device: str) -> None:
+    (out / "gpu_check.json").write_text(json.dumps({"device": device, "steps": rows}, indent=2))
+    lines = [f"# Device check on {device}", "", "| step | status | seconds | detail |",
+             "|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        detail = json.dumps(r["detail"], default=str)[:300].replace("|", "/")
+        lines.append(f"| {r['step']} | {r['status']} | {r['seconds']:.1f} | {detail} |")
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out")
+    parser.add_argument("--dry-run", action="store_true", help="CPU and tiny models (for CI)")
+    parser.add_argument("--steps", nargs="*", default=[n for n, _ in STEPS])
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (--dry-run runs the steps on CPU)", file=sys.stderr)
+        return 2
+    device = "cpu" if args.dry_run else "cuda"
+    name = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name(0)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        check = Check(device, args.dry_run, Path(tmp) / "models", out)
+        check.folder.mkdir()
+        for step, fn in STEPS:
+            if step not in args.steps:
+                continue
+            start = time.perf_counter()
+            try:
+                status, detail = "ok", fn(check)
+            except StepFailed as e:
+                status, detail = "failed", str(e)
+            except Exception as e:  # a crash is a failed step too, with where it happened
+                status, detail = "error", "".join(traceback.format_exception(e)[-3:])
+            rows.append({"step": step, "status": status, "seconds": time.perf_counter() - start,
+                         "detail": detail})  # fmt: skip
+            print(f"gpu_check: {step}: {status} ({rows[-1]['seconds']:.1f} s)", flush=True)
+            write_summary(out, rows, name)
+        check.drop()
+    failed = [r["step"] for r in rows if r["status"] != "ok"]
+    if failed:
+        print(f"gpu_check: failed: {', '.join(failed)} (see {out}/gpu_check.md)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

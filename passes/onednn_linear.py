@@ -1,0 +1,53 @@
+"""CPU GEMMs with 16-bit weights -> `compilecore.onednn_mm` (the weight reordered once).
+
+Unfused:
+
+    wt = permute(w, [1, 0])
+    y  = mm(x, wt)                      # x [M, K], w [N, K] bf16 (fp16) on CPU
+
+Rewritten:
+
+    y  = compilecore.onednn_mm(x, w)    # oneDNN on a cached blocked copy of w
+
+Runs after `gemv_to_reduction`, so the batch-1 pieces keep their reduction loops and this
+takes every other size (the symbolic-size code: prefill chunks and batched decode). One
+site per linear layer: 4 per Llama layer. Inductor can no longer fold a following residual
+add into the GEMM (`addmm`); the add joins the RMSNorm's loop instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.pattern_matcher import register_replacement
+
+from passes.base import PatternPass, trace_pattern
+from passes.ops.onednn_linear import supported_dtypes
+
+
+def _search(x, w):
+    return torch.mm(x, w.permute(1, 0))
+
+
+def _replace(x, w):
+    return torch.ops.compilecore.onednn_mm.default(x, w)
+
+
+def _cpu_16bit(match) -> bool:
+    values = [n.meta.get("val") for n in (match.kwargs["x"], match.kwargs["w"])]
+    return all(
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype in supported_dtypes()
+        for v in values
+    )
+
+
+class OneDnnLinearPass(PatternPass):
+    name = "onednn_linear"
+    depends_on = ("passes.ops.onednn_linear",)
+
+    def register(self) -> None:
+        # One registration serves both dtypes: the pattern has no converts; the check
+        # looks at the matched tensors.
+        x, w = torch.empty(2, 16, dtype=torch.bfloat16), torch.empty(8, 16, dtype=torch.bfloat16)
+        register_replacement(
+            _search, _replace, [x, w], trace_pattern, self.patterns, extra_check=_cpu_16bit
+        )

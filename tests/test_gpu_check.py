@@ -1,0 +1,42 @@
+"""The device check script runs its steps on CPU (`--dry-run`) in CI, so it cannot rot
+between the rare runs on a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900
+    )
+
+
+@pytest.mark.slow
+def test_dry_run_passes_every_step(tmp_path):
+    res = _run(str(tmp_path), "--dry-run")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    steps = {r["step"]: r for r in report["steps"]}
+    assert list(steps) == [
+        "gpu_tests", "greedy_cpu_vs_device", "temperature_sampling", "graphs_vs_eager",
+        "decode_bandwidth", "passes_on_off", "tensor_parallel",
+    ]  # fmt: skip
+    assert all(r["status"] == "ok" for r in steps.values())
+    assert steps["graphs_vs_eager"]["detail"]["ratio"] > 0
+    assert steps["decode_bandwidth"]["detail"]["of_copy"] > 0
+    assert "| passes_on_off | ok |" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-device exit")
+def test_without_a_device_it_says_so(tmp_path):
+    res = _run(str(tmp_path))
+    assert res.returncode == 2 and "no CUDA device" in res.stderr
