@@ -73,6 +73,8 @@ def config_factors(engine_config: EngineConfig, pass_uuid: str) -> dict[str, Any
         "mode": cc.mode,
         "splitting_ops": list(cc.splitting_ops),
         "compile_sizes": sorted(cc.compile_sizes),
+        # the size hint of the unbacked token dimension (decorators._mark_unbacked)
+        "size_hint": engine_config.scheduler_config.max_num_batched_tokens,
         "inductor_options": json.dumps(cc.inductor_options, sort_keys=True, default=str),
         "parallel": [pc.tensor_parallel_size, pc.pipeline_parallel_size],
         "rank": [get_tp_group().rank_in_group, get_pp_group().rank_in_group],

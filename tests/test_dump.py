@@ -26,7 +26,13 @@ LAYERS = 4  # enough for identical middle layers that compile once and group in 
 @pytest.fixture(scope="module")
 def four_layers(tmp_path_factory, tokenizer_dir):
     path = tmp_path_factory.mktemp("four_layers")
-    save_checkpoint(path, llama_config(num_hidden_layers=LAYERS), tokenizer_dir=tokenizer_dir)
+    # The default model's widths (SmolLM2-135M: 576 hidden, 9 heads over 3 KV heads, 1536
+    # MLP), with fewer layers and a small vocabulary.
+    config = llama_config(
+        num_hidden_layers=LAYERS, hidden_size=576, intermediate_size=1536,
+        num_attention_heads=9, num_key_value_heads=3,
+    )  # fmt: skip
+    save_checkpoint(path, config, tokenizer_dir=tokenizer_dir)
     return path
 
 
