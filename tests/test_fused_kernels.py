@@ -88,3 +88,12 @@ def test_kernels_on_cuda(dtype):
     # The op itself dispatches to Triton for CUDA tensors.
     out = torch.ops.compilecore.fused_add_rms_norm(x, res, w, 1e-5)
     _close(out, fused_add_rms_norm_ref(x, res, w, 1e-5), dtype)
+
+
+def test_row_kernels_scale_warps_with_the_row():
+    from passes.ops.triton_utils import next_power_of_2, row_num_warps
+
+    widths = [64, 576, 2048, 4096, 8192, 16384, 65536]
+    warps = [row_num_warps(next_power_of_2(w)) for w in widths]
+    assert warps == sorted(warps) and warps[0] == 1 and warps[-1] == 16
+    assert row_num_warps(next_power_of_2(4096)) == 8

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from passes.ops.triton_utils import next_power_of_2, use_triton
+from passes.ops.triton_utils import next_power_of_2, row_num_warps, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,9 +67,11 @@ def fused_add_rms_norm_triton(
     out, new_res = torch.empty_like(x), torch.empty_like(x)
     rows = x.numel() // hidden
     if rows:
+        block = next_power_of_2(hidden)
         _get_kernel()[(rows,)](
-            x, residual, weight, out, new_res, hidden, eps, BLOCK=next_power_of_2(hidden)
-        )
+            x, residual, weight, out, new_res, hidden, eps, BLOCK=block,
+            num_warps=row_num_warps(block),
+        )  # fmt: skip
     return out, new_res
 
 

@@ -22,3 +22,10 @@ def use_triton(t: torch.Tensor) -> bool:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def row_num_warps(block: int) -> int:
+    """Warps for a kernel that handles one row of `block` elements per program: a warp
+    per 512 elements (16 per thread), 1 to 16. One warp for a 4096-wide norm left most
+    of an SM's lanes idle; 32 for a 128-wide row would mostly mask lanes off."""
+    return max(1, min(16, block // 512))

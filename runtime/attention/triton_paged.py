@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from passes.ops.triton_utils import row_num_warps
 from runtime.attention.metadata import AttentionMetadata
 
 _kernels: dict = {}
@@ -59,6 +60,7 @@ def write_kv_cache_triton(
         v.stride(0),
         ROW=row,
         ROW_BLOCK=_next_pow2(row),
+        num_warps=row_num_warps(_next_pow2(row)),
     )
 
 
