@@ -51,6 +51,28 @@ class _Entry:
     weights_version: int
 
 
+def weak_ref_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over `t`'s memory that does not own it (vLLM's `weak_ref_tensors`): a
+    graph keeps its outputs' addresses, while their memory goes back to the shared pool
+    once the caller drops the real tensors, for the next captures to reuse."""
+    if t.numel() == 0:
+        return t
+    span = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    start = t.data_ptr()
+    storage = torch._C._construct_storage_from_data_pointer(
+        start, t.device, span * t.element_size()
+    )
+    return torch.empty((), dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+
+
+def weak_ref_tensors(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return weak_ref_tensor(value)
+    if isinstance(value, list | tuple):
+        return type(value)(weak_ref_tensors(v) for v in value)
+    return value
+
+
 def _is_activation(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
 
@@ -91,7 +113,9 @@ class CUDAGraphWrapper:
             output = self.runnable(*args)
         ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
         moving = [i for i, a in enumerate(args) if _is_activation(a)]
-        self.entries[n] = _Entry(graph, output, ptrs, moving, weights_version())
+        # The entry holds weak references; the caller gets the real tensors, so that
+        # during capture the allocator frees each output after its last use.
+        self.entries[n] = _Entry(graph, weak_ref_tensors(output), ptrs, moving, weights_version())
         compilation_counter.num_cudagraph_captured += 1
         return output
 

@@ -50,3 +50,4 @@ def test_padded_size_rounds_up(graphed):
     runner = graphed[0].llm_engine.runner
     assert [runner.padded_size(n) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, 17]
     assert torch.cuda.is_available()
+
