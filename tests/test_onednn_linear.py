@@ -67,3 +67,17 @@ def test_compiled_bf16_model_with_the_pass_matches_eager():
     for n in (3, 17, 2):  # the symbolic-size code, where the pass applies
         ids = torch.randint(0, config.vocab_size, (n,))
         testing.assert_compiled_matches_eager(compiled, eager, ids, torch.arange(n), rtol=3e-2)
+
+
+def test_small_batches_take_the_row_streaming_kernel():
+    from passes.ops.onednn_linear import SMALL_M_ROWS, _small_m_kernel, _small_m_mm
+
+    if _small_m_kernel() is None:
+        pytest.skip("no AVX512-BF16 here: oneDNN takes every size")
+    w = (torch.randn(40, 96) * 0.1).bfloat16()
+    for m in range(1, SMALL_M_ROWS + 1):
+        x = torch.randn(m, 96).bfloat16()
+        got = _small_m_mm(x, w)
+        assert got is not None
+        _close(got, torch.mm(x, w.t()))
+    assert _small_m_mm(torch.randn(SMALL_M_ROWS + 1, 96).bfloat16(), w) is None

@@ -7,17 +7,61 @@ kept, the same oneDNN product streams the weight at close to memory bandwidth
 (benchmarks/NOTES.md, section 23). The reordered copy lives in a table keyed by the
 weight tensor itself and is made again when the weight's storage or version changes
 (a reload, an in-place copy); it is freed with the weight.
+
+Up to `SMALL_M_ROWS` rows (decode batches of 2-4; batch 1 has its own reduction loop in
+the static-size code) the op runs `small_m_mm.cpp` instead: each weight row read once, in
+order, for every row of x, which streamed the model's weights at 23-26 GB/s where the
+reordered oneDNN product reached 17-20 (section 23); without AVX512-BF16 it is not built
+and oneDNN takes every size.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from passes import native
 
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
 # from 2 to 2048 rows (section 23), so one copy serves every batch.
 PACK_BATCH_HINT = 2048
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Measured: the row-streaming kernel wins at 1-4 rows and loses to oneDNN from 8.
+SMALL_M_ROWS = 4
+
+
+@functools.cache
+def _small_m_kernel() -> ctypes._CFuncPtr | None:
+    try:
+        source = Path(__file__).with_name("small_m_mm.cpp").read_text()
+        lib = native.load_library(source, "small_m_mm", native.cache_root() / "torch_compile")
+    except native.KernelBuildError:
+        return None
+    if lib.small_m_max_rows() < SMALL_M_ROWS:
+        return None
+    fn = lib.small_m_mm_bf16
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64]
+    fn.restype = None
+    return fn
+
+
+def _small_m_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """The row-streaming kernel's product, or None when it does not apply here."""
+    m, k = x.shape
+    if m > SMALL_M_ROWS or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return None
+    if x.stride(1) != 1 or w.stride(1) != 1 or (fn := _small_m_kernel()) is None:
+        return None
+    y = torch.empty((m, w.shape[0]), dtype=x.dtype)
+    if m:
+        fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0),
+           m, w.shape[0], k, torch.get_num_threads())  # fmt: skip
+    return y
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
@@ -54,6 +98,9 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("compilecore::onednn_mm", mutates_args=())
 def onednn_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    small = _small_m_mm(x, w)
+    if small is not None:
+        return small
     x = x if x.is_contiguous() else x.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), None, "none", [], "")
 
