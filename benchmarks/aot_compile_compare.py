@@ -109,19 +109,20 @@ def _spawn(*args: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=576, help="warm-start model hidden size")
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--child", nargs=6, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         variant, phase, layers, width, cache, calls = args.child
         print(json.dumps(child(variant, phase, int(layers), int(width), cache, int(calls))))
-        return
+        return []
     rows = []
     for variant in ("recipe", "recipe-whole", "aot"):
-        for label, layers, width in (("warm start", args.layers, 576), ("host", 1, 64)):
+        for label, layers, width in (("warm start", args.layers, args.width), ("host", 1, 64)):
             with tempfile.TemporaryDirectory() as cache:
                 common = (str(layers), str(width), cache, str(args.calls))
                 cold = _spawn(variant, "cold", *common)
@@ -140,6 +141,7 @@ def main() -> None:
             f"| {r['variant']} | {r['model']} | {c['first_call_s']:.2f} | "
             f"{w['first_call_s']:.2f} | {w['call_us']:.0f} |"
         )
+    return rows
 
 
 if __name__ == "__main__":

@@ -89,3 +89,14 @@ def test_serve_smoke_reports_missing_peers(tiny_llama, tmp_path, capsys):
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert all(r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
     assert "not measured, missing" in capsys.readouterr().out  # no GGUF for a tiny model
+
+
+def test_aot_compile_compare_smoke():
+    rows = _load("aot_compile_compare").main(["--layers", "1", "--width", "64", "--calls", "3"])
+    assert [(r["variant"], r["model"]) for r in rows] == [
+        (v, m) for v in ("recipe", "recipe-whole", "aot") for m in ("warm start", "host")
+    ]
+    for r in rows:
+        for phase in ("cold", "warm"):
+            assert "error" not in r[phase], r
+            assert r[phase]["first_call_s"] > 0 and r[phase]["call_us"] > 0
