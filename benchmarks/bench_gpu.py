@@ -16,30 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import RESULTS, copy_bandwidth, decode_speed, save_results, weight_bytes  # noqa: E402
+from gpu_check import build_checkpoint  # noqa: E402
 
 from runtime import LLM  # noqa: E402
-
-
-def build_1b(folder: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(str(folder))
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 2}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>").save_pretrained(str(folder))
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -52,7 +31,7 @@ def main(argv: list[str] | None = None) -> Path:
     bandwidth = copy_bandwidth("cuda", 2 << 30)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        build_1b(Path(tmp))
+        build_checkpoint(Path(tmp), big=True, device="cuda")
         for name, kwargs in (("eager", {"enforce_eager": True}), ("compiled + CUDA graphs", {})):
             llm = LLM(tmp, dtype="bfloat16", max_model_len=2048, **kwargs)
             speed = decode_speed(llm, list(range(100, 137)), args.tokens, 3)

@@ -243,7 +243,7 @@ class RecipeRunner:
         self.static = [eval(e, {}, scope) for e in self.static_exprs]  # noqa: S307 - validated
 
     def __call__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if self.version != _REGISTRATIONS[0]:
+        if self.version != weights_version():
             self._resolve(module)
         bound = self.signature.bind(module, *args, **kwargs)
         bound.apply_defaults()

@@ -260,7 +260,8 @@ def check_pass(
 ) -> PassTestBackend:
     """Compile `fn` with `graph_pass` (verified on every piece it matches, dim 0 of each
     input unbacked like the engine's token dimension), check its output against eager
-    `fn`, and return the backend for op counts and `matches(name)`."""
+    `fn`, and return the backend for op counts and `matches(name)`. Resets Dynamo first,
+    so the pass always sees a fresh trace."""
     torch._dynamo.reset()
     backend = PassTestBackend(graph_pass, verify=True)
     for t in inputs if dynamic else ():

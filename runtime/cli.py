@@ -253,22 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dump.add_argument("--out", required=True, help="the dump folder")
     dump.add_argument("--prompt", default=None, help="also generate a few tokens for this prompt")
-    dump.add_argument(
-        "--passes",
-        nargs="*",
-        default=[],
-        choices=[*PASS_SWITCHES, *PASS_ALIASES],
-        metavar="PASS",
-        help=f"passes to turn on, by their Python names ({', '.join(PASS_SWITCHES)})",
-    )
-    dump.add_argument(
-        "--no-passes",
-        nargs="*",
-        default=[],
-        choices=[*PASS_SWITCHES, *PASS_ALIASES],
-        metavar="PASS",
-        help="passes to turn off (e.g. gemv_to_reduction); the rest keep the device default",
-    )
+    for flag, what in (
+        ("--passes", f"passes to turn on, by their Python names ({', '.join(PASS_SWITCHES)})"),
+        ("--no-passes", "passes to turn off (e.g. gemv_to_reduction); the rest keep the default"),
+    ):
+        choices = [*PASS_SWITCHES, *PASS_ALIASES]
+        dump.add_argument(flag, nargs="*", default=[], choices=choices, metavar="PASS", help=what)
     dump.add_argument(
         "--verify", action="store_true", help="verify every pass on every piece (names a bad one)"
     )

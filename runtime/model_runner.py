@@ -151,12 +151,8 @@ class ModelRunner:
             self.host_views = {name: getattr(self, name).numpy() for name in names}
         else:
             pinned = torch.cuda.is_available()
-            self.staging = {
-                name: torch.zeros_like(getattr(self, name), device="cpu").pin_memory()
-                if pinned
-                else torch.zeros_like(getattr(self, name), device="cpu")
-                for name in names
-            }
+            host = {name: torch.zeros_like(getattr(self, name), device="cpu") for name in names}
+            self.staging = {n: t.pin_memory() if pinned else t for n, t in host.items()}
             self.host_views = {name: t.numpy() for name, t in self.staging.items()}
         cc = engine_config.compilation_config
         graphs = self.device.type == "cuda" and cc.mode != "none"
