@@ -168,6 +168,8 @@ class ModelRunner:
         self.cpu_graph_order = sorted(self.cpu_graph_sizes)
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
         self._pp_buffers: Any = None  # a later pipeline stage's receive buffers
+        for layer in self.attention_layers.values():  # compiling runs attention before the cache
+            layer.bind(attn_backend)
         # Graphs hold raw weight addresses: a replaced parameter makes them stale.
         self.cpu_graphs_version = weights_version()
 
@@ -329,13 +331,33 @@ class ModelRunner:
         if self.config.compilation_config.mode == "none":
             return 0.0
         start = time.perf_counter()
-        n = min(16, self.input_ids.shape[0])
+        self._dummy_forward(min(16, self.input_ids.shape[0]))
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def profile_run(self) -> int:
+        """Peak activation bytes of one forward over the whole token budget plus the
+        logits of the most sequences a step samples (CUDA; 0 elsewhere). The KV cache is
+        sized after it, so the first full prefill cannot run out of memory."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        out = self._dummy_forward(self.input_ids.shape[0])
+        if get_pp_group().is_last_rank:
+            rows = self.config.scheduler_config.max_num_seqs
+            self.model.compute_logits(out[:rows])
+        del out
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - base
+
+    def _dummy_forward(self, n: int) -> Any:
         inputs = None
         if not get_pp_group().is_first_rank:
             inputs = self.model.make_empty_intermediate_tensors(n, self.dtype, self.device)
         with set_forward_context(None, self.config):
-            self.model(self.input_ids[:n], self.positions[:n], inputs)
-        return time.perf_counter() - start
+            return self.model(self.input_ids[:n], self.positions[:n], inputs)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:

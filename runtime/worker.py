@@ -62,6 +62,16 @@ def cpu_kernels_usable(cache_dir: Path | None = None) -> bool:
     return True
 
 
+def kv_budget_after_profiling(
+    free: int, total: int, gpu_memory_utilization: float, activation_peak: int
+) -> int:
+    """Bytes left for the KV cache once weights, CUDA graphs and the caching allocator's
+    own blocks are resident (all already out of `free`, measured after capture and
+    empty_cache), keeping the 1 - utilisation share of the device to others and room for
+    the largest step's activations, which were freed back to the driver."""
+    return int(free - (1 - gpu_memory_utilization) * total - activation_peak)
+
+
 class Worker:
     def __init__(self, engine_config: EngineConfig):
         self.config = engine_config
@@ -75,25 +85,48 @@ class Worker:
         )
         self.runner = ModelRunner(engine_config, self.model, backend)
         self.compile_seconds = 0.0
+        self.activation_peak = 0
+        self._prepared = False
+        self._kv_budget: int | None = None
+
+    def prepare(self) -> None:
+        """Everything that takes device memory before the KV cache, once: compile (or
+        load), a profiling forward over the token budget, CUDA-graph capture. The
+        capture reads a one-block placeholder cache; init_cache replaces it (attention
+        runs outside the graphs and reads the layer's cache on every call)."""
+        if self._prepared:
+            return
+        self._prepared = True
+        if self.runner.capture_sizes:
+            self.runner.initialize_kv_cache(1)
+        self.compile_seconds = self.runner.warm_up()
+        self.activation_peak = self.runner.profile_run()
+        self.runner.capture_cuda_graphs()
 
     def kv_budget_bytes(self) -> int:
         cache = self.config.cache_config
         if cache.kv_cache_memory is not None:
             return cache.kv_cache_memory
-        if self.config.device.type == "cuda":
+        if self.config.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        if self._kv_budget is None:
+            self.prepare()
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.config.device)
-            return int(free - (1 - cache.gpu_memory_utilization) * total)
-        return DEFAULT_CPU_KV_CACHE_BYTES
+            self._kv_budget = kv_budget_after_profiling(
+                free, total, cache.gpu_memory_utilization, self.activation_peak
+            )
+        return self._kv_budget
 
     def num_kv_blocks(self) -> int:
         """How many blocks this rank's budget holds for its own layers."""
         return self.kv_budget_bytes() // max(1, self.runner.kv_cache_bytes_per_block())
 
     def init_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, compile (or load) the model, capture CUDA graphs."""
+        """Compile, profile and capture (if num_kv_blocks did not already), then
+        allocate the KV cache."""
+        self.prepare()
         self.runner.initialize_kv_cache(num_blocks)
-        self.compile_seconds = self.runner.warm_up()
-        self.runner.capture_cuda_graphs()
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         return self.runner.execute(plan)

@@ -8,7 +8,7 @@ import torch
 from compilecore.counters import compilation_counter
 from runtime import LLM, SamplingParams
 
-pytestmark = pytest.mark.gpu
+gpu = pytest.mark.gpu
 SIZES = [1, 2, 4, 8, 16]
 
 
@@ -27,12 +27,14 @@ def graphed(tiny_llama, tmp_path_factory):
     return llm, compilation_counter.num_cudagraph_captured - before
 
 
+@gpu
 def test_captured_graphs_per_size_and_piece(graphed, tiny_llama):
     _, captured = graphed
     layers = tiny_llama[1].config.num_hidden_layers
     assert captured == len(SIZES) * (layers + 1)
 
 
+@gpu
 def test_replay_equals_eager_across_padded_sizes(graphed, tiny_llama):
     llm, _ = graphed
     eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True)
@@ -46,8 +48,33 @@ def test_replay_equals_eager_across_padded_sizes(graphed, tiny_llama):
         assert got == want
 
 
+@gpu
 def test_padded_size_rounds_up(graphed):
     runner = graphed[0].llm_engine.runner
     assert [runner.padded_size(n) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, 17]
     assert torch.cuda.is_available()
 
+
+
+@gpu
+def test_kv_cache_sized_after_profiling_and_capture(graphed):
+    """The cache is allocated after the profiling forward and the capture, and what the
+    process holds then stays within the utilisation share: the largest step still fits."""
+    llm, _ = graphed
+    engine = llm.llm_engine
+    worker = engine.executor.worker
+    assert worker.activation_peak > 0
+    total = torch.cuda.mem_get_info()[1]
+    share = engine.config.cache_config.gpu_memory_utilization * total
+    assert torch.cuda.memory_reserved() + worker.activation_peak <= share * 1.02
+    budget = engine.config.scheduler_config.max_num_batched_tokens
+    prompt = [5 + i % 90 for i in range(budget - 1)]  # one step over the whole token budget
+    out = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_kv_budget_subtracts_the_activation_peak():
+    from runtime.worker import kv_budget_after_profiling
+
+    gib = 2**30
+    assert kv_budget_after_profiling(60 * gib, 80 * gib, 0.5, 2 * gib) == 18 * gib

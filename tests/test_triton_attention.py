@@ -43,6 +43,52 @@ def test_triton_equals_torch_and_dense(batch, splits):
 
 
 @interpreted
+@settings(max_examples=8, deadline=None)
+@given(
+    batch=batches(
+        head_sizes=(16, 64, 80),
+        block_sizes=(16, 32),
+        max_ctx=40,
+        max_q=40,
+        max_seqs=3,
+        dtypes=(torch.float32, torch.bfloat16),
+    )
+)
+def test_prefill_tiles_equal_per_token_kernel(batch):
+    """Query tiles (tl.dot) against the per-token kernel and dense attention, with prompts
+    long enough to span several tiles and ragged last tiles."""
+    tiled = run_and_check(build_case(batch), TritonPagedAttentionBackend(), TOL[batch.dtype])
+    plain = run_and_check(
+        build_case(batch), TritonPagedAttentionBackend(prefill_tiles=False), TOL[batch.dtype]
+    )
+    n = batch_tokens(batch)
+    scale = max(1.0, plain[:n].float().abs().max().item())
+    assert (tiled[:n].float() - plain[:n].float()).abs().max().item() <= TOL[batch.dtype] * scale
+
+
+def batch_tokens(batch: Batch) -> int:
+    return sum(q for _, q in batch.seqs)
+
+
+@interpreted
+def test_prefill_tiles_with_stale_nan_slots():
+    """Pages past a sequence's end may hold NaN from earlier requests; masked scores must
+    not turn them into NaN outputs through P @ V."""
+    batch = Batch(
+        block_size=16, kv_heads=2, heads=6, head_size=64, seqs=[(3, 20), (0, 17)], padding=2, seed=1
+    )
+    case = build_case(batch)
+    cache = case.layer.kv_cache
+    table = case.meta.block_table
+    for i, length in enumerate(case.meta.seq_lens_cpu):
+        last = table[i, (length - 1) // 16].item()
+        cache[:, last, length % 16 or 16 :] = float("nan")
+    case.cache_before = cache.clone()
+    out = run_and_check(case, TritonPagedAttentionBackend(), 1e-4)
+    assert not out[: case.meta.num_actual_tokens].isnan().any()
+
+
+@interpreted
 def test_split_kv_long_context():
     batch = Batch(
         block_size=16, kv_heads=1, heads=2, head_size=64, seqs=[(150, 1)], padding=1, seed=3

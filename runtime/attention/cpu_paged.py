@@ -93,10 +93,12 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
 
     def forward(self, layer, q, k, v, output, attn_metadata: AttentionMetadata) -> None:
         meta = attn_metadata
+        if meta is None:  # compiling or profiling: no batch, maybe no cache yet
+            return super().forward(layer, q, k, v, output, meta)
         bound = self._bound.get(id(layer))
         if bound is None or bound.cache is not layer.kv_cache:
             bound = self._bound[id(layer)] = self._bind(layer)
-        if meta is None or bound is None or q.dtype != bound.cache.dtype:
+        if bound is None or q.dtype != bound.cache.dtype:
             return super().forward(layer, q, k, v, output, meta)
         step = meta.cache.get("cpu_paged")
         if step is None:

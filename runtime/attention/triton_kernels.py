@@ -152,3 +152,87 @@ def merge_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=d_mask,
     )
+
+
+@triton.jit
+def prefill_attention_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    out_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    table_ptr,
+    first_seq,
+    scale,
+    q_stride,
+    out_stride,
+    table_stride,
+    NUM_KV: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_BLOCK: tl.constexpr,
+    HEAD: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # One program per (sequence, tile of BLOCK_M query tokens, KV head). The tile's rows
+    # are (token, query head of the group) pairs, so every K/V page is loaded once for
+    # BLOCK_M * GROUP rows and both products run on the tensor cores.
+    seq = first_seq + tl.program_id(0)
+    tile_start = tl.program_id(1) * BLOCK_M
+    kv_head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_M * GROUP_BLOCK)
+    tok = tile_start + r // GROUP_BLOCK
+    g = r % GROUP_BLOCK
+    d = tl.arange(0, HEAD_BLOCK)
+    row_mask = (tok < q_len) & (g < GROUP)
+    d_mask = d < HEAD
+    q_pos = ctx + tok
+    heads = kv_head * GROUP + g
+    q_rows = (q_start + tok).to(tl.int64) * q_stride + heads * HEAD
+    q = tl.load(
+        q_ptr + q_rows[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
+    m = tl.full([BLOCK_M * GROUP_BLOCK], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M * GROUP_BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_BLOCK, HEAD_BLOCK], tl.float32)
+
+    last_pos = ctx + tl.minimum(tile_start + BLOCK_M, q_len) - 1  # the tile's causal horizon
+    num_blocks = tl.where(tile_start < q_len, last_pos // BLOCK + 1, 0)
+    offs = tl.arange(0, BLOCK)
+    for b in range(0, num_blocks):
+        block_id = tl.load(table_ptr + seq * table_stride + b).to(tl.int64)
+        k_pos = b * BLOCK + offs
+        rows = (block_id * BLOCK + offs) * NUM_KV * HEAD + kv_head * HEAD
+        # Slots past the sequence hold stale data, maybe NaN: 0 * NaN would leak into P @ V.
+        kv_mask = (k_pos < seq_len)[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [rows, BLOCK]
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: block 0 is visible to every row
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    out = acc / l_sum[:, None]
+    out_rows = (q_start + tok).to(tl.int64) * out_stride + heads * HEAD
+    tl.store(
+        out_ptr + out_rows[:, None] + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )

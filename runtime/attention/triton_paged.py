@@ -2,13 +2,15 @@
 
 Two kernels. `write_kv_cache` scatters the step's new K/V rows into the paged cache by
 slot mapping (slot -1, a padding row, writes nothing). `unified_attention` serves a
-whole mixed batch in one launch: one program per (query token, KV head) finds its
+mixed batch in two launches. Decodes: one program per (query token, KV head) finds its
 sequence by binary search in `query_start_loc`, then walks that sequence's blocks up to
-its own position (its cached prefix plus the causal part of the new tokens) with an
-online softmax in fp32. The query heads that share a KV head are handled together, so
-K/V are loaded once per group (GQA/MQA without copies). For long contexts at small
-batch, a split-KV (flash-decoding) launch spreads each token's blocks over several
-programs and a second kernel merges their partial softmaxes.
+its own position with an online softmax in fp32; the query heads that share a KV head
+are handled together, so K/V are loaded once per group (GQA/MQA without copies). For
+long contexts at small batch, a split-KV (flash-decoding) launch spreads each token's
+blocks over several programs and a second kernel merges their partial softmaxes.
+Prefill chunks: one program per (sequence, tile of query tokens, KV head), flash-
+attention style: each K/V page is loaded once for the whole tile and QK^T and PV are
+`tl.dot`s, so a 2,000-token prompt reads its prefix ~2,000/16 times instead of 2,000.
 
 Every per-step value (offsets, lengths, block tables, slots) is read from device
 tensors inside the kernels: no host synchronisation, so the runner can keep them in
@@ -36,7 +38,10 @@ def kernels() -> dict:
         from runtime.attention import triton_kernels as tk
 
         _kernels.update(
-            write=tk.write_kv_kernel, attention=tk.attention_kernel, merge=tk.merge_kernel
+            write=tk.write_kv_kernel,
+            attention=tk.attention_kernel,
+            merge=tk.merge_kernel,
+            prefill=tk.prefill_attention_kernel,
         )
     return _kernels
 
@@ -73,6 +78,13 @@ def choose_num_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, bloc
     return min(16, max(2, 128 // programs), blocks // 16)
 
 
+def prefill_tile_rows(num_heads: int, num_kv_heads: int) -> int:
+    """Query tokens per prefill tile: 64 rows of (token, head) per program, at least 16
+    tokens (tl.dot's smallest tile)."""
+    group = _next_pow2(num_heads // num_kv_heads)
+    return max(16, 64 // group)
+
+
 def paged_attention_triton(
     q,
     kv_cache,
@@ -83,17 +95,45 @@ def paged_attention_triton(
     head: int,
     scale: float,
     num_splits: int | None = None,
+    prefill_tiles: bool = True,
 ) -> None:
+    """Decodes (and, without tiles, every token) through the per-token kernel; prefill
+    sequences through the tiled tl.dot kernel when the page and head allow its tiles."""
     n = meta.num_actual_tokens
     if n == 0:
         return
+    block = kv_cache.shape[2]
+    q = q.reshape(q.shape[0], -1)
+    tiles = prefill_tiles and block >= 16 and head >= 16 and meta.max_query_len > 1
+    per_token = meta.num_decodes if tiles else n  # decodes come first, one token each
+    if per_token:
+        _per_token_attention(
+            q, kv_cache, output, meta, per_token, num_heads, num_kv_heads, head, scale, num_splits
+        )
+    if tiles and meta.num_seqs > meta.num_decodes:
+        _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head, scale)
+
+
+def _constants(num_heads: int, num_kv_heads: int, head: int, block: int) -> dict:
+    group = num_heads // num_kv_heads
+    return dict(
+        NUM_KV=num_kv_heads,
+        GROUP=group,
+        GROUP_BLOCK=_next_pow2(group),
+        HEAD=head,
+        HEAD_BLOCK=_next_pow2(head),
+        BLOCK=block,
+    )
+
+
+def _per_token_attention(
+    q, kv_cache, output, meta, n, num_heads, num_kv_heads, head, scale, num_splits
+) -> None:
     block = kv_cache.shape[2]
     if num_splits is None:
         num_splits = choose_num_splits(n, num_kv_heads, meta.max_seq_len, block)
     max_blocks = -(-meta.max_seq_len // block)
     per_split = -(-max_blocks // num_splits)
-    group = num_heads // num_kv_heads
-    q = q.reshape(q.shape[0], -1)
     part = (
         q.new_empty((n, num_heads, num_splits, head + 2), dtype=torch.float32)
         if num_splits > 1
@@ -115,13 +155,8 @@ def paged_attention_triton(
         output.stride(0),
         table.stride(0),
         per_split,
-        NUM_KV=num_kv_heads,
-        GROUP=group,
-        GROUP_BLOCK=_next_pow2(group),
-        HEAD=head,
-        HEAD_BLOCK=_next_pow2(head),
-        BLOCK=block,
         SPLIT=num_splits > 1,
+        **_constants(num_heads, num_kv_heads, head, block),
     )
     if num_splits > 1:
         kernels()["merge"][(n, num_heads)](
@@ -135,11 +170,41 @@ def paged_attention_triton(
         )
 
 
+def _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head, scale) -> None:
+    block = kv_cache.shape[2]
+    tile = prefill_tile_rows(num_heads, num_kv_heads)
+    prefills = meta.num_seqs - meta.num_decodes
+    grid = (prefills, -(-meta.max_query_len // tile), num_kv_heads)
+    kernels()["prefill"][grid](
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        output,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_table,
+        meta.num_decodes,
+        scale,
+        q.stride(0),
+        output.stride(0),
+        meta.block_table.stride(0),
+        BLOCK_M=tile,
+        # fp32 models want fp32 answers: TF32 would cost three decimal digits.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton's interpreter multiplies bf16 operands as their raw uint16 bits.
+        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16,
+        num_warps=4,
+        num_stages=2,
+        **_constants(num_heads, num_kv_heads, head, block),
+    )
+
+
 class TritonPagedAttentionBackend:
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None):
+    def __init__(self, num_splits: int | None = None, prefill_tiles: bool = True):
         self.num_splits = num_splits  # None: chosen per step by choose_num_splits
+        self.prefill_tiles = prefill_tiles
 
     def forward(self, layer, q, k, v, output, attn_metadata: AttentionMetadata) -> None:
         meta = attn_metadata
@@ -158,6 +223,7 @@ class TritonPagedAttentionBackend:
             layer.head_size,
             layer.scale,
             self.num_splits,
+            self.prefill_tiles,
         )
 
 
