@@ -101,7 +101,8 @@ def _idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         with engine.lock:
-            if not engine.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks:
+            idle = not engine.inbox and not engine.engine.has_unfinished_requests()
+            if idle and bm.num_free_blocks == bm.num_blocks:
                 return
         time.sleep(0.05)
     raise AssertionError("the engine still holds requests or KV blocks")
@@ -237,6 +238,33 @@ def test_malformed_json_wrong_key_and_full_queue(server, client):
     finally:
         engine.max_waiting = 64
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices
+
+
+def test_requests_arrive_during_a_step_and_a_full_queue_takes_back_a_partial_batch(
+    server, client, oracle
+):
+    """While the stepping thread holds the engine (a long step), the event loop still
+    parses, queues and answers: adds and aborts go through the inbox. A batch of prompts
+    that fills the queue half-way gets 503 and leaves nothing queued."""
+    _, engine = server
+    done: list = []
+    with engine.lock:  # a step in flight, as far as the server can tell
+
+        def request() -> None:
+            try:
+                client.completions.create(model=MODEL, prompt=["a"] * 65, max_tokens=2)
+            except openai.InternalServerError as exc:
+                done.append(exc.status_code)
+
+        worker = threading.Thread(target=request)
+        worker.start()
+        worker.join(timeout=30)  # with the old lock, the event loop waited here forever
+        assert done == [503]
+        assert len(engine.inbox) == 2 * 64  # 64 adds, then 64 aborts taking them back
+    _idle(engine)  # drained in order: nothing was admitted, every block is free
+    assert engine.stats()["waiting"] == 0
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY)
+    assert out.choices[0].text == _greedy_text(oracle, PROMPTS[0])
 
 
 def test_models_health_metrics_tokenize(server, client, oracle):

@@ -161,14 +161,18 @@ class _Server:
     def start(self, prompts: list[Any], params, prefix: str) -> tuple[list, list[int]]:
         """Queue every prompt, all tokenized and checked first (a bad one queues nothing);
         the delta streams and the prompts' token counts."""
+        added: list[str] = []
         try:
             ids = [self.engine.prepare(p, params) for p in prompts]
-            streams = [self.engine.add(t, params, f"{prefix}-{i}") for i, t in enumerate(ids)]
+            streams = []
+            for i, t in enumerate(ids):
+                streams.append(self.engine.add(t, params, f"{prefix}-{i}"))
+                added.append(f"{prefix}-{i}")
             return streams, [len(t) for t in ids]
-        except (ValueError, TypeError) as e:
-            raise APIError(400, str(e)) from e
-        except QueueFullError as e:
-            raise APIError(503, str(e)) from e
+        except (ValueError, TypeError, QueueFullError) as e:
+            for request_id in added:  # the queue filled up half-way: take back what went in
+                self.engine.abort(request_id)
+            raise APIError(503 if isinstance(e, QueueFullError) else 400, str(e)) from e
 
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, body: CompletionRequest):
