@@ -156,6 +156,10 @@ def _per_token_attention(
         table.stride(0),
         per_split,
         SPLIT=num_splits > 1,
+        # Warps follow the [group, head] tile each program holds: an MHA head of 64 (one
+        # query head per KV head) would leave half of 4 warps' lanes masked off.
+        num_warps=4 if _next_pow2(num_heads // num_kv_heads) * _next_pow2(head) >= 512 else 2,
+        num_stages=2,
         **_constants(num_heads, num_kv_heads, head, block),
     )
     if num_splits > 1:
