@@ -173,9 +173,14 @@ class CompilationConfig:
     # On CPU, decode-only batches pad up to the next compile size and replay its graph.
     compile_sizes: list[int] | None = None
     cudagraph_capture_sizes: list[int] | None = None
-    # CPU only: record each decode-only step at a compile size once and replay its native
+    # CPU only: record each decode-only step at a graph size once and replay its native
     # calls with no Python between kernels (compilecore/cpu_graph.py).
     cpu_graphs: bool = True
+    # Decode batch sizes recorded as CPU graphs (a batch pads up to the next one). None:
+    # the compile sizes plus 2..8, whose symbolic-size code is native calls too (the
+    # row-streaming GEMM of `onednn_linear`); a size whose step computes outside native
+    # calls is refused at capture and runs piece by piece.
+    cpu_graph_sizes: list[int] | None = None
     cache_dir: str | None = None
     debug_dump_path: str | None = None
     # Keep Dynamo's guards and raise on any recompile (slower; for tests and debugging).
@@ -197,9 +202,10 @@ class CompilationConfig:
             raise ValueError(
                 f"compilation_config.mode must be 'none' or 'piecewise', got {self.mode!r}"
             )
-        for size in self.compile_sizes or []:
-            if size < 1:
-                raise ValueError(f"compilation_config.compile_sizes must be >= 1, got {size}")
+        for name in ("compile_sizes", "cpu_graph_sizes"):
+            for size in getattr(self, name) or []:
+                if size < 1:
+                    raise ValueError(f"compilation_config.{name} must be >= 1, got {size}")
 
     @classmethod
     def from_any(cls, value: CompilationConfig | dict | None) -> CompilationConfig:

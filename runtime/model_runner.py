@@ -23,6 +23,7 @@ from compilecore.config import EngineConfig
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from compilecore.recipe import weights_version
+from passes.ops.onednn_linear import SMALL_M_ROWS
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
@@ -164,7 +165,10 @@ class ModelRunner:
             and cc.cpu_graphs
             and engine_config.parallel_config.world_size == 1
         )
-        self.cpu_graph_sizes = set(cc.compile_sizes or []) if cpu_graphs else set()
+        sizes = cc.cpu_graph_sizes
+        if sizes is None:  # decode batches of 2-8 record from the symbolic-size code too
+            sizes = [*(cc.compile_sizes or []), *range(2, SMALL_M_ROWS + 1)]
+        self.cpu_graph_sizes = set(sizes) if cpu_graphs else set()
         self.cpu_graph_order = sorted(self.cpu_graph_sizes)
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
         self._pp_buffers: Any = None  # a later pipeline stage's receive buffers
@@ -331,7 +335,12 @@ class ModelRunner:
         if self.config.compilation_config.mode == "none":
             return 0.0
         start = time.perf_counter()
-        self._dummy_forward(min(16, self.input_ids.shape[0]))
+        out = self._dummy_forward(min(16, self.input_ids.shape[0]))
+        if get_pp_group().is_last_rank:
+            # The one-row LM head is its own compiled function: compiled here, not in the
+            # middle of a CPU-graph capture (which cannot record a module born during it)
+            # when a batch-1 decode first comes after larger batches.
+            self.model.compute_logits(out[:1])
         return time.perf_counter() - start
 
     @torch.inference_mode()

@@ -175,9 +175,31 @@ def test_decode_batches_pad_to_the_next_compile_size(tiny_llama, tmp_path):
     runs = []
     for sizes in ([4], []):
         llm = LLM(str(tiny_llama[0]), compilation_config={
-            "cache_dir": str(tmp_path / str(sizes)), "compile_sizes": sizes})  # fmt: skip
+            "cache_dir": str(tmp_path / str(sizes)), "compile_sizes": sizes,
+            "cpu_graph_sizes": sizes})  # fmt: skip
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]
+
+
+def test_small_decode_batches_replay_graphs_of_the_symbolic_size_code(compiled):
+    """Decode batches of 2-8 have no static code, but their products are the row-
+    streaming kernel's native calls: each size records a graph, whose tokens equal the
+    piece-by-piece run of the same engine."""
+    from passes.ops.onednn_linear import _small_m_kernel
+
+    if _small_m_kernel() is None:
+        pytest.skip("no AVX512-BF16 here: oneDNN's products cannot be recorded")
+    runner = compiled.llm_engine.runner
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for batch in (3, 6):
+        prompts = [PROMPT[i:] for i in range(batch)]
+        runner.cpu_graphs.clear()
+        got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
+        graph = runner.cpu_graphs[batch]
+        assert isinstance(graph, cpu_graph.CpuGraph)
+        runner.cpu_graphs[batch] = None
+        want = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
+        assert got == want
 
 
 def test_replaced_weights_are_used_by_the_next_decode(tiny_llama, tmp_path):

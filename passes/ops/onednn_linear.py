@@ -8,11 +8,13 @@ kept, the same oneDNN product streams the weight at close to memory bandwidth
 weight tensor itself and is made again when the weight's storage or version changes
 (a reload, an in-place copy); it is freed with the weight.
 
-Up to `SMALL_M_ROWS` rows (decode batches of 2-4; batch 1 has its own reduction loop in
+Up to `SMALL_M_ROWS` rows (decode batches of 2-8; batch 1 has its own reduction loop in
 the static-size code) the op runs `small_m_mm.cpp` instead: each weight row read once, in
 order, for every row of x, which streamed the model's weights at 23-26 GB/s where the
-reordered oneDNN product reached 17-20 (section 23); without AVX512-BF16 it is not built
-and oneDNN takes every size.
+reordered oneDNN product reached 17-20 at 2-4 rows and tied it at 8 (section 23). Its call
+is recorded into CPU graphs, which oneDNN's cannot be, so decode batches of 2-8 replay
+without Python (section 26). Without AVX512-BF16 it is not built and oneDNN takes every
+size.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from passes import native
 # from 2 to 2048 rows (section 23), so one copy serves every batch.
 PACK_BATCH_HINT = 2048
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# Measured: the row-streaming kernel wins at 1-4 rows and loses to oneDNN from 8.
-SMALL_M_ROWS = 4
+# Measured: the row-streaming kernel wins at 2-4 rows and ties oneDNN at 8; recorded
+# into CPU graphs it wins at 5-8 too (1.1-1.4x end to end, NOTES section 26).
+SMALL_M_ROWS = 8
 
 
 @functools.cache
@@ -59,8 +62,11 @@ def _small_m_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         return None
     y = torch.empty((m, w.shape[0]), dtype=x.dtype)
     if m:
-        fn(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), y.stride(0),
-           m, w.shape[0], k, torch.get_num_threads())  # fmt: skip
+        args = (x, x.stride(0), w, w.stride(0), y, y.stride(0), m, w.shape[0], k,
+                torch.get_num_threads())  # fmt: skip
+        fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+        # A CPU graph replays this call on the same buffers (x and y stay alive in it).
+        native.record_native_call(native.function_address(fn), args, "compilecore.onednn_mm")
     return y
 
 
@@ -101,6 +107,7 @@ def onednn_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     small = _small_m_mm(x, w)
     if small is not None:
         return small
+    native.refuse("compilecore.onednn_mm through oneDNN (its calls cannot be recorded)")
     x = x if x.is_contiguous() else x.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), None, "none", [], "")
 
