@@ -38,7 +38,10 @@ def test_op_equals_mm(m, k, n, dtype):
 
 
 def test_reordered_copy_follows_the_weight():
-    x, w = torch.randn(4, 32).bfloat16(), torch.randn(16, 32).bfloat16()
+    from passes.ops.onednn_linear import _PACKED, SMALL_M_ROWS
+
+    # More rows than the row-streaming kernel takes: oneDNN on the reordered copy.
+    x, w = torch.randn(SMALL_M_ROWS + 4, 32).bfloat16(), torch.randn(16, 32).bfloat16()
     first = torch.ops.compilecore.onednn_mm(x, w)
     with torch.no_grad():
         w.copy_(torch.randn(16, 32).bfloat16())  # in place: same storage, new version
@@ -46,6 +49,10 @@ def test_reordered_copy_follows_the_weight():
     w.data = torch.randn(16, 32).bfloat16()  # new storage behind the same tensor
     _close(torch.ops.compilecore.onednn_mm(x, w), torch.mm(x, w.t()))
     assert not torch.equal(first, torch.ops.compilecore.onednn_mm(x, w))
+    ident = id(w)
+    assert ident in _PACKED
+    del w
+    assert ident not in _PACKED  # the copy goes with its weight
 
 
 @pytest.mark.parametrize("dtype, matched", [(torch.bfloat16, 1), (torch.float32, 0)])

@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from pathlib import Path
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from passes import native
 
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
 # from 2 to 2048 rows (section 23), so one copy serves every batch.
 PACK_BATCH_HINT = 2048
-_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(weight) -> (weak reference to it, (data_ptr, version), its reordered copy)
+_PACKED: dict[int, tuple] = {}
 # Measured: the row-streaming kernel wins at 2-4 rows and ties oneDNN at 8; recorded
 # into CPU graphs it wins at 5-8 too (1.1-1.4x end to end, NOTES section 26).
 SMALL_M_ROWS = 8
@@ -93,16 +94,19 @@ def _version(w: torch.Tensor) -> int:
 
 
 def packed_weight(w: torch.Tensor) -> torch.Tensor:
+    # A plain dict keyed by id (checked against a weak reference) is ~4x cheaper to look
+    # up than a WeakIdKeyDictionary, and a batched step looks up 121 weights.
+    entry = _PACKED.get(id(w))
     key = (w.data_ptr(), _version(w))
-    entry = _PACKED.get(w)
-    if entry is None or entry[0] != key:
+    if entry is None or entry[0]() is not w or entry[1] != key:
         with torch.no_grad():
-            entry = (key, torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT))
-        _PACKED[w] = entry
-    return entry[1]
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+        ident = id(w)
+        entry = (weakref.ref(w, lambda _, ident=ident: _PACKED.pop(ident, None)), key, packed)
+        _PACKED[ident] = entry
+    return entry[2]
 
 
-@torch.library.custom_op("compilecore::onednn_mm", mutates_args=())
 def onednn_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     small = _small_m_mm(x, w)
     if small is not None:
@@ -112,6 +116,13 @@ def onednn_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), None, "none", [], "")
 
 
-@onednn_mm.register_fake
-def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _fake_onednn_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+# Registered through `torch.library.Library`, not the `custom_op` decorator, whose Python
+# wrapper costs ~8 us a call (NOTES section 9): a batched decode step makes 121 of them.
+_LIB = torch.library.Library("compilecore", "FRAGMENT")
+_LIB.define("onednn_mm(Tensor x, Tensor w) -> Tensor")
+_LIB.impl("onednn_mm", onednn_mm, "CPU")
+torch.library.register_fake("compilecore::onednn_mm", _fake_onednn_mm, lib=_LIB)
