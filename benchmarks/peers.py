@@ -6,6 +6,9 @@ instead of failing."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -50,7 +53,17 @@ def report_missing(what: list[str]) -> None:
 
 def llama_cpp_decode(path: Path, prompt: list[int], tokens: int, threads: int) -> float:
     """llama.cpp's batch-1 decode, tokens/s between the first and the last generated
-    token (the timing every peer gets). Greedy; EOS does not stop `generate`."""
+    token (the timing every peer gets). Greedy; EOS does not stop `generate`. In a
+    process of its own: after ggml's threads have run in a process, torch's OpenMP team
+    in it decodes ~20% slower (127-132 -> 100-102 tok/s, measured), so in-process rounds
+    would handicap whichever engine runs second."""
+    args = json.dumps([str(path), prompt, tokens, threads])
+    out = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    return float(out.strip().splitlines()[-1])
+
+
+def _llama_cpp_decode_here(path: Path, prompt: list[int], tokens: int, threads: int) -> float:
     from llama_cpp import Llama
 
     llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
@@ -66,3 +79,8 @@ def llama_cpp_decode(path: Path, prompt: list[int], tokens: int, threads: int) -
         return speeds[-1]
     finally:
         llm.close()
+
+
+if __name__ == "__main__":  # llama_cpp_decode's child process
+    path, prompt, tokens, threads = json.loads(sys.argv[1])
+    print(_llama_cpp_decode_here(Path(path), prompt, tokens, threads))
