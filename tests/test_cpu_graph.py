@@ -4,6 +4,9 @@ capture must refuse anything it could not replay, naming it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -200,6 +203,32 @@ def test_small_decode_batches_replay_graphs_of_the_symbolic_size_code(compiled):
         runner.cpu_graphs[batch] = None
         want = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
         assert got == want
+
+
+_BATCH_ONE_LAST = """
+import sys
+from compilecore import cpu_graph
+from runtime import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16", compilation_config={"cache_dir": sys.argv[2]})
+short, long = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 8))
+prompt = [5, 17, 42, 99, 7, 3, 250, 31, 8]
+# Two rows of logits at every step until the first finishes: then the first 1-row LM head
+# call is a batch-1 decode, the step that records the graph.
+llm.generate([prompt, prompt[2:]], [short, long], use_tqdm=False)
+assert isinstance(llm.llm_engine.runner.cpu_graphs[1], cpu_graph.CpuGraph), "no batch-1 graph"
+"""
+
+
+def test_batch_one_after_larger_batches_still_records(tiny_llama, tmp_path):
+    """The one-row LM head is compiled in warm-up: were its first call the first batch-1
+    decode, it would fall inside that step's capture, whose recorder cannot see a module
+    created during it, and batch 1 would lose its graph for good. A fresh process (this one
+    has every module loaded already) and a cold cache."""
+    res = subprocess.run(
+        [sys.executable, "-c", _BATCH_ONE_LAST, str(tiny_llama[0]), str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_replaced_weights_are_used_by_the_next_decode(tiny_llama, tmp_path):
