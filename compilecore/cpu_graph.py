@@ -51,7 +51,13 @@ MAX_ARGS = 96  # arguments of one recorded call (Inductor kernels of one piece: 
 
 
 class CpuGraphUnsupported(RuntimeError):
-    """The forward does something a replay could not repeat (the reason says what)."""
+    """The forward does something a replay could not repeat (the reason says what).
+    `transient`: code was compiled during the capture, which the next capture at this
+    size will find compiled."""
+
+    def __init__(self, reason: str, transient: bool = False):
+        super().__init__(reason)
+        self.transient = transient
 
 
 def _executor_source() -> str:
@@ -181,8 +187,9 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
         if event == "c_call" and _is_inductor_kernel(arg):
             seen[0] += 1
 
+    known = _inductor_modules()
     try:
-        for module in _inductor_modules():
+        for module in known:
             for name, value in list(vars(module).items()):
                 if _is_inductor_kernel(value):
                     patched.append((module, name, value))
@@ -200,10 +207,13 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
     if cap.failure is None and seen[0] != cap.kernel_calls:
         missed = seen[0] - cap.kernel_calls
         cap.fail(f"{missed} Inductor kernel call(s) came from modules that were not recorded")
+    # Something compiled during the capture (its own ops ran, its kernel went unrecorded):
+    # the next capture at this size runs it already compiled.
+    transient = len(_inductor_modules()) > len(known)
     if cap.failure is None and not cap.calls:
         cap.fail("nothing was recorded")
     if cap.failure is not None:
-        raise CpuGraphUnsupported(cap.failure)
+        raise CpuGraphUnsupported(cap.failure, transient)
     return result, CpuGraph(cap.calls, cap.keep, result, _executor(cache_root))
 
 

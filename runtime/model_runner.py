@@ -30,6 +30,8 @@ from runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("compilecore")
 _MISSING = object()
+# Captures of one size that met a module compiled mid-capture before it gives up.
+MAX_CAPTURE_TRIES = 3
 
 
 @dataclass
@@ -171,6 +173,7 @@ class ModelRunner:
         self.cpu_graph_sizes = set(sizes) if cpu_graphs else set()
         self.cpu_graph_order = sorted(self.cpu_graph_sizes)
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
+        self._capture_tries: dict[int, int] = {}
         self._pp_buffers: Any = None  # a later pipeline stage's receive buffers
         for layer in self.attention_layers.values():  # compiling runs attention before the cache
             layer.bind(attn_backend)
@@ -300,8 +303,12 @@ class ModelRunner:
         try:
             logits, graph = cpu_graph.capture(step, compile_cache_root(self.config))
         except cpu_graph.CpuGraphUnsupported as exc:
-            logger.info("no CPU graph for %d tokens (%s): running piece by piece", n, exc)
-            self.cpu_graphs[n] = None
+            tries = self._capture_tries[n] = self._capture_tries.get(n, 0) + 1
+            if exc.transient and tries < MAX_CAPTURE_TRIES:
+                logger.info("no CPU graph for %d tokens yet (%s): next step tries again", n, exc)
+            else:
+                logger.info("no CPU graph for %d tokens (%s): running piece by piece", n, exc)
+                self.cpu_graphs[n] = None
             with set_forward_context(meta, self.config):
                 out = self.model(self.input_ids[:n], self.positions[:n], None)
             return self.model.compute_logits(out[:n])

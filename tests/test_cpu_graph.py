@@ -209,6 +209,19 @@ _BATCH_ONE_LAST = """
 import sys
 from compilecore import cpu_graph
 from runtime import LLM, SamplingParams
+from runtime.model_runner import ModelRunner
+
+if sys.argv[3] == "cold-lm-head":  # as before the fix: no logits in warm-up
+    warm_up = ModelRunner.warm_up
+
+    def without_logits(self):
+        self.model.compute_logits = lambda hidden: None
+        try:
+            return warm_up(self)
+        finally:
+            del self.model.compute_logits
+
+    ModelRunner.warm_up = without_logits
 llm = LLM(sys.argv[1], dtype="bfloat16", compilation_config={"cache_dir": sys.argv[2]})
 short, long = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 8))
 prompt = [5, 17, 42, 99, 7, 3, 250, 31, 8]
@@ -219,13 +232,15 @@ assert isinstance(llm.llm_engine.runner.cpu_graphs[1], cpu_graph.CpuGraph), "no 
 """
 
 
-def test_batch_one_after_larger_batches_still_records(tiny_llama, tmp_path):
+@pytest.mark.parametrize("case", ["default", "cold-lm-head"])
+def test_batch_one_after_larger_batches_still_records(tiny_llama, tmp_path, case):
     """The one-row LM head is compiled in warm-up: were its first call the first batch-1
     decode, it would fall inside that step's capture, whose recorder cannot see a module
-    created during it, and batch 1 would lose its graph for good. A fresh process (this one
-    has every module loaded already) and a cold cache."""
+    created during it. Should a module still be born mid-capture (`cold-lm-head` recreates
+    the old warm-up), the failure is transient and the next step records. A fresh process
+    (this one has every module loaded already) and a cold cache."""
     res = subprocess.run(
-        [sys.executable, "-c", _BATCH_ONE_LAST, str(tiny_llama[0]), str(tmp_path)],
+        [sys.executable, "-c", _BATCH_ONE_LAST, str(tiny_llama[0]), str(tmp_path), case],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
