@@ -209,10 +209,8 @@ class AsyncLLM:
                     del self.streams[request_id]
             if not current:  # aborted before it was admitted, or an old id's late abort
                 continue
-            if kind == "abort":
+            if kind == "abort":  # frees the blocks and forgets the requests
                 self.engine.abort_request([r.request_id for r in stream.children])
-                for req in stream.children:
-                    self.engine.release(req.request_id)
                 continue
             try:
                 for req in stream.children:

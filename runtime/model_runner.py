@@ -344,9 +344,8 @@ class ModelRunner:
         start = time.perf_counter()
         out = self._dummy_forward(min(16, self.input_ids.shape[0]))
         if get_pp_group().is_last_rank:
-            # The one-row LM head is its own compiled function: compiled here, not in the
-            # middle of a CPU-graph capture (which cannot record a module born during it)
-            # when a batch-1 decode first comes after larger batches.
+            # The one-row LM head is its own compiled function: compiled here with the
+            # rest, so no step pays for it (a capture it fell into would be retried).
             self.model.compute_logits(out[:1])
         return time.perf_counter() - start
 

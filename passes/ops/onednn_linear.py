@@ -96,12 +96,12 @@ def _version(w: torch.Tensor) -> int:
 def packed_weight(w: torch.Tensor) -> torch.Tensor:
     # A plain dict keyed by id (checked against a weak reference) is ~4x cheaper to look
     # up than a WeakIdKeyDictionary, and a batched step looks up 121 weights.
-    entry = _PACKED.get(id(w))
+    ident = id(w)
+    entry = _PACKED.get(ident)
     key = (w.data_ptr(), _version(w))
     if entry is None or entry[0]() is not w or entry[1] != key:
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-        ident = id(w)
         entry = (weakref.ref(w, lambda _, ident=ident: _PACKED.pop(ident, None)), key, packed)
         _PACKED[ident] = entry
     return entry[2]
