@@ -177,9 +177,9 @@ class CompilationConfig:
     # calls with no Python between kernels (compilecore/cpu_graph.py).
     cpu_graphs: bool = True
     # Decode batch sizes recorded as CPU graphs (a batch pads up to the next one). None:
-    # the compile sizes plus 2..8, whose symbolic-size code is native calls too (the
-    # row-streaming GEMM of `onednn_linear`); a size whose step computes outside native
-    # calls is refused at capture and runs piece by piece.
+    # the compile sizes plus 2..16, whose symbolic-size code is native calls too (the
+    # `packed_linear` products); a size whose step computes outside native calls is
+    # refused at capture and runs piece by piece.
     cpu_graph_sizes: list[int] | None = None
     cache_dir: str | None = None
     debug_dump_path: str | None = None

@@ -10,7 +10,7 @@ capture runs the forward once with
 
 - every Inductor kernel (the `kernel` entry of each generated module) swapped for a
   recorder of its C function and arguments,
-- native ops (attention, the small-M GEMM) recording their own C calls
+- native ops (attention, `compilecore.packed_mm`) recording their own C calls
   (`passes.native.record_native_call`),
 - a dispatch mode that refuses any other aten op that computes (an extern GEMM, a
   fallback), and a profile hook that counts kernel calls the recorders missed,
@@ -96,11 +96,22 @@ def _executor(root: Path) -> Any:
 class _Capture:
     def __init__(self) -> None:
         self.calls: list[tuple[int, list[int]]] = []
-        self.keep: list[torch.Tensor] = []
+        self.keep: list[Any] = []
+        self.checks: list[Callable[[], str | None]] = []
         self.failure: str | None = None
         self.kernel_calls = 0
 
-    def record(self, address: int, args: Sequence[Any], what: str) -> None:
+    def record(
+        self,
+        address: int,
+        args: Sequence[Any],
+        what: str,
+        keep: Sequence[Any] = (),
+        check: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.keep.extend(keep)
+        if check is not None and check not in self.checks:
+            self.checks.append(check)
         values = []
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -214,24 +225,35 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
         cap.fail("nothing was recorded")
     if cap.failure is not None:
         raise CpuGraphUnsupported(cap.failure, transient)
-    return result, CpuGraph(cap.calls, cap.keep, result, _executor(cache_root))
+    return result, CpuGraph(cap.calls, cap.keep, result, _executor(cache_root), cap.checks)
 
 
 class CpuGraph:
     """A recorded forward. `replay()` reruns it on whatever the captured input buffers
     hold now and returns the captured outputs (rewritten in place)."""
 
-    def __init__(self, calls: list[tuple[int, list[int]]], keep: list, outputs: Any, run):
+    def __init__(
+        self,
+        calls: list[tuple[int, list[int]]],
+        keep: list,
+        outputs: Any,
+        run: Callable[[int, int], None],
+        checks: Sequence[Callable[[], str | None]] = (),
+    ):
         flat: list[int] = []
         for address, args in calls:
             flat += [len(args), address, *args]
         self.program = torch.tensor(flat, dtype=torch.int64)
         self.num_calls = len(calls)
         self.keep, self.outputs, self._run = keep, outputs, run
+        self.checks = tuple(checks)
         self._program_ptr = self.program.data_ptr()
 
     def replay(self) -> Any:
         self._run(self._program_ptr, self.num_calls)
+        for check in self.checks:  # a recorded call that can fail reports it here
+            if (reason := check()) is not None:
+                raise RuntimeError(f"CPU graph replay failed: {reason}")
         return self.outputs
 
     def __repr__(self) -> str:

@@ -379,18 +379,18 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
 
 def _batched_lm_head(engine_config: EngineConfig) -> Callable | None:
     """Compiled bf16/fp16 engines on CPU run the LM head over several rows as the
-    `onednn_linear` pass runs the model's own GEMMs."""
-    from passes.ops import onednn_linear
+    `packed_linear` pass runs the model's own GEMMs."""
+    from passes.ops import packed_linear
 
     cc, dtype = engine_config.compilation_config, engine_config.model_config.dtype
     if (
         engine_config.device.type != "cpu"
         or cc.mode == "none"
-        or dtype not in onednn_linear.supported_dtypes()
-        or not cc.passes.resolved("cpu")["onednn_linear"]
+        or dtype not in packed_linear.supported_dtypes()
+        or not cc.passes.resolved("cpu")["packed_linear"]
     ):
         return None
-    return torch.ops.compilecore.onednn_mm
+    return torch.ops.compilecore.packed_mm
 
 
 def _small_batch_gemv(engine_config: EngineConfig) -> StaticShapeFunction | None:

@@ -14,14 +14,14 @@ DEVICE_DEFAULTS = {
         "fuse_qkv_rope": False,
         "fuse_allreduce_rms_norm": False,
         "gemv_to_reduction": True,
-        "onednn_linear": True,
+        "packed_linear": True,
     },
     "cuda": {
         "fuse_add_rms_norm": False,
         "fuse_qkv_rope": False,
         "fuse_allreduce_rms_norm": False,
         "gemv_to_reduction": False,
-        "onednn_linear": False,
+        "packed_linear": False,
     },
 }
 
@@ -33,8 +33,8 @@ class PassConfig:
     fuse_allreduce_rms_norm: bool | None = None
     # Small static-M GEMMs as vectorized reductions (pieces compiled for compile_sizes).
     gemv_to_reduction: bool | None = None
-    # Other CPU GEMMs with 16-bit weights through oneDNN on a weight reordered once.
-    onednn_linear: bool | None = None
+    # Other CPU GEMMs with 16-bit weights on a weight packed once (`compilecore.packed_mm`).
+    packed_linear: bool | None = None
     # Run each piece's graph before and after every pass on random inputs and compare.
     verify: bool = False
 

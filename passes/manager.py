@@ -68,12 +68,12 @@ def build_passes(
 
         passes.append(QKVRoPEFusionPass(context.attention_shapes))
     # Last of the built-ins: fusion patterns above still see plain mm.
-    if switches["onednn_linear"] and context.device_type == "cpu":
-        from passes.onednn_linear import OneDnnLinearPass
-        from passes.ops.onednn_linear import available
+    if switches["packed_linear"] and context.device_type == "cpu":
+        from passes.ops.packed_linear import available
+        from passes.packed_linear import PackedLinearPass
 
         if available():
-            passes.append(OneDnnLinearPass())
+            passes.append(PackedLinearPass())
     # User passes see the built-in fusions' ops and leave the clean-up to the manager.
     passes.extend(custom)
     passes.append(CleanupPass())

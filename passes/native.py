@@ -1,6 +1,6 @@
 """Native code without torch headers: build it, and report its calls to a recorder.
 
-Building: g++ compiles a small C++ source (the small-M GEMM here, the CPU attention
+Building: g++ compiles a small C++ source (the packed GEMM here, the CPU attention
 kernels, the CPU-graph executor) in about a second, once per source, flags, compiler and
 CPU, into a cache folder; later processes load it in milliseconds. Writes go to a
 temporary file renamed into place, so processes building at the same time never load half
@@ -22,7 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,19 @@ def is_capturing() -> bool:
     return _recorder is not None
 
 
-def record_native_call(address: int, args: Sequence[Any], what: str = "a native op") -> None:
+def record_native_call(
+    address: int,
+    args: Sequence[Any],
+    what: str = "a native op",
+    keep: Sequence[Any] = (),
+    check: Callable[[], str | None] | None = None,
+) -> None:
     """Called by ops that run C code, with their function's address and its integer or
-    tensor arguments, while a CPU graph is captured; a no-op otherwise."""
+    tensor arguments, while a CPU graph is captured; a no-op otherwise. `keep`: objects
+    the graph must hold while it lives (what integer arguments point into); `check`: run
+    after each replay, returns why the replay failed or None."""
     if _recorder is not None:
-        _recorder.record(address, args, what)
+        _recorder.record(address, args, what, keep, check)
 
 
 def refuse(reason: str) -> None:

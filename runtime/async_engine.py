@@ -160,8 +160,7 @@ class AsyncLLM:
             waiting = len(self.engine.scheduler.waiting) + self._queued
             if waiting + params.n > self.max_waiting:
                 raise QueueFullError(
-                    f"{waiting} requests are waiting (at most {self.max_waiting}): try again "
-                    "later"
+                    f"{waiting} requests are waiting (at most {self.max_waiting}): try again later"
                 )
             self.streams[request_id] = stream
             self._queued += len(children)

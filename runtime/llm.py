@@ -167,7 +167,9 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
             self.apply_chat_template(
-                c, add_generation_prompt, chat_template=chat_template,
+                c,
+                add_generation_prompt,
+                chat_template=chat_template,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
             )  # fmt: skip
@@ -188,8 +190,7 @@ class LLM:
             raise ValueError("chat needs a tokenizer: this LLM was made with skip_tokenizer_init")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
-                "this model's tokenizer has no chat template: pass chat_template= or use "
-                "generate()"
+                "this model's tokenizer has no chat template: pass chat_template= or use generate()"
             )
         if continue_final_message and add_generation_prompt:
             raise ValueError(

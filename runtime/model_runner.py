@@ -23,7 +23,6 @@ from compilecore.config import EngineConfig
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from compilecore.recipe import weights_version
-from passes.ops.onednn_linear import SMALL_M_ROWS
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
@@ -32,6 +31,9 @@ logger = logging.getLogger("compilecore")
 _MISSING = object()
 # Captures of one size that met a module compiled mid-capture before it gives up.
 MAX_CAPTURE_TRIES = 3
+# Decode batches up to this size record CPU graphs by default, each its own (padding would
+# cost compute: at 9-16 rows the products are compute-bound). Measured in NOTES section 27.
+CPU_GRAPH_MAX_BATCH = 16
 
 
 @dataclass
@@ -168,8 +170,8 @@ class ModelRunner:
             and engine_config.parallel_config.world_size == 1
         )
         sizes = cc.cpu_graph_sizes
-        if sizes is None:  # decode batches of 2-8 record from the symbolic-size code too
-            sizes = [*(cc.compile_sizes or []), *range(2, SMALL_M_ROWS + 1)]
+        if sizes is None:  # decode batches record from the symbolic-size code too
+            sizes = [*(cc.compile_sizes or []), *range(2, CPU_GRAPH_MAX_BATCH + 1)]
         self.cpu_graph_sizes = set(sizes) if cpu_graphs else set()
         self.cpu_graph_order = sorted(self.cpu_graph_sizes)
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable

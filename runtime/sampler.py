@@ -175,4 +175,3 @@ class Sampler:
                 entry.update({t: (v, r + 1) for r, (t, v) in enumerate(zip(ids, vals))})
             out.append(entry)
         return out
-

@@ -184,25 +184,26 @@ def test_decode_batches_pad_to_the_next_compile_size(tiny_llama, tmp_path):
     assert runs[0] == runs[1]
 
 
-def test_small_decode_batches_replay_graphs_of_the_symbolic_size_code(compiled):
-    """Decode batches of 2-8 have no static code, but their products are the row-
-    streaming kernel's native calls: each size records a graph, whose tokens equal the
-    piece-by-piece run of the same engine."""
-    from passes.ops.onednn_linear import _small_m_kernel
+@pytest.mark.parametrize("batch", [3, 6, 12])
+def test_decode_batches_replay_graphs_of_the_symbolic_size_code(compiled, batch):
+    """Decode batches above 1 have no static code, but their products are native calls
+    (`compilecore.packed_mm`: our kernel's, or oneDNN's through AOTInductor's C shim).
+    Each size records a graph, whose tokens equal the piece-by-piece run of the same
+    engine."""
+    from passes.ops import onednn_shim, packed_linear
 
-    if _small_m_kernel() is None:
-        pytest.skip("no AVX512-BF16 here: oneDNN's products cannot be recorded")
+    if not packed_linear.uses_own_kernel(torch.bfloat16) and onednn_shim.shim_call() is None:
+        pytest.skip("oneDNN takes bf16 here and this torch has no shim to record it")
     runner = compiled.llm_engine.runner
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    for batch in (3, 6):
-        prompts = [PROMPT[i:] for i in range(batch)]
-        runner.cpu_graphs.clear()
-        got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
-        graph = runner.cpu_graphs[batch]
-        assert isinstance(graph, cpu_graph.CpuGraph)
-        runner.cpu_graphs[batch] = None
-        want = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
-        assert got == want
+    prompts = [PROMPT[i % 5 :] + [i] for i in range(batch)]
+    runner.cpu_graphs.clear()
+    got = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
+    graph = runner.cpu_graphs[batch]
+    assert isinstance(graph, cpu_graph.CpuGraph)
+    runner.cpu_graphs[batch] = None
+    want = [o.outputs[0].token_ids for o in compiled.generate(prompts, params, use_tqdm=False)]
+    assert got == want
 
 
 _BATCH_ONE_LAST = """

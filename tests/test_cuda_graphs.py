@@ -55,7 +55,6 @@ def test_padded_size_rounds_up(graphed):
     assert torch.cuda.is_available()
 
 
-
 @gpu
 def test_kv_cache_sized_after_profiling_and_capture(graphed):
     """The cache is allocated after the profiling forward and the capture, and what the

@@ -122,3 +122,8 @@ def test_benchmarked_bf16_config_matches_hf_bf16(default_model_dir, tmp_path):
         got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         assert got[:checked] == want[:checked]
     assert isinstance(llm.llm_engine.runner.cpu_graphs[1], CpuGraph)
+    # The throughput and serving benchmarks' batches: decode at 12 rows (`packed_mm`).
+    outs = llm.generate(prompts * 4, params, use_tqdm=False)
+    for out, (want, checked) in zip(outs, wanted * 4):
+        assert out.outputs[0].token_ids[:checked] == want[:checked]
+    assert isinstance(llm.llm_engine.runner.cpu_graphs[12], CpuGraph)

@@ -21,6 +21,8 @@ def test_compiled_equals_eager(config, n):
     compiled, eager = compiled_eager_pair(config)
     ids, positions = torch.randint(0, config.vocab_size, (n,)), torch.arange(n)
     testing.assert_compiled_matches_eager(compiled, eager, ids, positions)
+
+
 # --- README example end ---
 
 

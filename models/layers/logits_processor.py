@@ -16,8 +16,8 @@ class LogitsProcessor(nn.Module):
     With `small_batch_gemv` (compiled engines on CPU: `passes.ops.gemv.gemv_logits`
     compiled per shape), a single row goes through a reduction loop that reads the (large) LM
     head weight at close to memory bandwidth and returns fp32 logits; with `linear`
-    (compiled bf16 engines on CPU: `compilecore.onednn_mm`), more rows go through oneDNN on
-    a weight reordered once."""
+    (compiled bf16 engines on CPU: `compilecore.packed_mm`), more rows go through a kernel
+    on a weight packed once."""
 
     # One row: a reduction over several rows re-reads the weight per row (batch-4 decode
     # 120 -> 137 tok/s with F.linear instead, benchmarks/NOTES.md section 20).

@@ -1,4 +1,4 @@
-"""CPU GEMMs with 16-bit weights -> `compilecore.onednn_mm` (the weight reordered once).
+"""CPU GEMMs with 16-bit weights -> `compilecore.packed_mm` (the weight packed once).
 
 Unfused:
 
@@ -7,7 +7,7 @@ Unfused:
 
 Rewritten:
 
-    y  = compilecore.onednn_mm(x, w)    # oneDNN on a cached blocked copy of w
+    y  = compilecore.packed_mm(x, w)    # our kernel (or oneDNN) on a cached packed copy of w
 
 Runs after `gemv_to_reduction`, so the batch-1 pieces keep their reduction loops and this
 takes every other size (the symbolic-size code: prefill chunks and batched decode). One
@@ -21,7 +21,7 @@ import torch
 from torch._inductor.pattern_matcher import register_replacement
 
 from passes.base import PatternPass, trace_pattern
-from passes.ops.onednn_linear import supported_dtypes
+from passes.ops.packed_linear import supported_dtypes
 
 
 def _search(x, w):
@@ -29,7 +29,7 @@ def _search(x, w):
 
 
 def _replace(x, w):
-    return torch.ops.compilecore.onednn_mm.default(x, w)
+    return torch.ops.compilecore.packed_mm.default(x, w)
 
 
 def _cpu_16bit(match) -> bool:
@@ -40,9 +40,9 @@ def _cpu_16bit(match) -> bool:
     )
 
 
-class OneDnnLinearPass(PatternPass):
-    name = "onednn_linear"
-    depends_on = ("passes.ops.onednn_linear",)
+class PackedLinearPass(PatternPass):
+    name = "packed_linear"
+    depends_on = ("passes.ops.packed_linear",)
 
     def register(self) -> None:
         # One registration serves both dtypes: the pattern has no converts; the check

@@ -1,0 +1,157 @@
+"""`compilecore.packed_mm(x, w)`: `x @ w.T` for 16-bit weights on CPU, on a copy of the
+weight packed once for the kernel that runs it.
+
+`torch.mm` on a bf16 CPU tensor reorders the weight into oneDNN's layout on every call:
+at the batch sizes of decode (2-64 rows) that reorder costs more than the product. So the
+weight is prepared once and kept, in a table keyed by the weight tensor itself (made again
+when the weight's storage or version changes: a reload, an in-place copy; freed with the
+weight), for one of two kernels:
+
+- `packed_mm.cpp` (bf16, AVX512-BF16 without AMX, every row count): our tiles of 16 rows
+  x 16 columns on a `vdpbf16ps`-friendly layout. Over the model's GEMM shapes it ran
+  1.2-1.7x oneDNN's reordered product from 1 to 32 rows, 1.06x at 64-128, and tied it at
+  512 (NOTES section 27). Its calls are recorded into CPU graphs directly.
+- oneDNN on its blocked layout (`_reorder_linear_weight`) everywhere else (fp16, CPUs
+  without AVX512-BF16, AMX, whose tiles beat any vector kernel): inside a CPU-graph
+  capture through AOTInductor's C shim (`onednn_shim`), whose call is recorded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from pathlib import Path
+
+import torch
+
+from passes import native
+from passes.ops import onednn_shim
+
+# The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
+# from 2 to 2048 rows (section 23), so one copy serves every batch.
+PACK_BATCH_HINT = 2048
+# id(weight) -> (weak reference to it, (data_ptr, version), its prepared copy)
+_PACKED: dict[int, tuple] = {}
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    """Our kernel's library where it applies here (AVX512-BF16, no AMX), else None."""
+    cpu = getattr(torch._C, "_cpu", None)
+    if cpu is not None and getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return None
+    try:
+        source = Path(__file__).with_name("packed_mm.cpp").read_text()
+        lib = native.load_library(source, "packed_mm", native.cache_root() / "torch_compile")
+    except (OSError, native.KernelBuildError):
+        return None
+    if not lib.packed_mm_available():
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.packed_mm_numel.argtypes, lib.packed_mm_numel.restype = [i64, i64], i64
+    lib.packed_mm_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    lib.packed_mm_pack.restype = None
+    lib.packed_mm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.packed_mm_bf16.restype = None
+    return lib
+
+
+def uses_own_kernel(dtype: torch.dtype) -> bool:
+    """Whether products with this weight dtype run `packed_mm.cpp` (else oneDNN)."""
+    return dtype == torch.bfloat16 and _kernel() is not None
+
+
+def supported_dtypes() -> tuple[torch.dtype, ...]:
+    """The 16-bit dtypes the op runs natively on this CPU: bf16 with AVX512-BF16 (our
+    kernel or oneDNN) or AMX, fp16 with oneDNN on AVX512-FP16 or AVX-NE-CONVERT."""
+    mkldnn = torch.ops.mkldnn
+    onednn = torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+    checks = ((torch.bfloat16, "_is_mkldnn_bf16_supported"),
+              (torch.float16, "_is_mkldnn_fp16_supported"))  # fmt: skip
+    return tuple(
+        d for d, name in checks
+        if uses_own_kernel(d) or (onednn and hasattr(mkldnn, name) and getattr(mkldnn, name)())
+    )  # fmt: skip
+
+
+def available() -> bool:
+    return bool(supported_dtypes())
+
+
+def _version(w: torch.Tensor) -> int:
+    try:
+        return w._version
+    except RuntimeError:  # an inference tensor: no version counter, never modified in place
+        return 0
+
+
+def _prepare(w: torch.Tensor) -> torch.Tensor:
+    if not uses_own_kernel(w.dtype):
+        return torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+    lib, (n, k) = _kernel(), w.shape
+    w = w if w.stride(1) == 1 else w.contiguous()
+    packed = torch.empty(lib.packed_mm_numel(n, k), dtype=w.dtype)
+    lib.packed_mm_pack(w.data_ptr(), w.stride(0), n, k, packed.data_ptr(),
+                       torch.get_num_threads())  # fmt: skip
+    return packed
+
+
+def packed_weight(w: torch.Tensor) -> torch.Tensor:
+    """The prepared copy of `w` ([N, K]) for whichever kernel runs it."""
+    # A plain dict keyed by id (checked against a weak reference) is ~4x cheaper to look
+    # up than a WeakIdKeyDictionary, and a batched step looks up 121 weights.
+    ident = id(w)
+    entry = _PACKED.get(ident)
+    key = (w.data_ptr(), _version(w))
+    if entry is None or entry[0]() is not w or entry[1] != key:
+        with torch.no_grad():
+            packed = _prepare(w)
+        entry = (weakref.ref(w, lambda _, ident=ident: _PACKED.pop(ident, None)), key, packed)
+        _PACKED[ident] = entry
+    return entry[2]
+
+
+def _contiguous(x: torch.Tensor, rows_may_stride: bool) -> torch.Tensor:
+    if x.stride(1) == 1 and (rows_may_stride or x.is_contiguous()):
+        return x
+    # Inside the op a copy is invisible to the capture's checks: the graph would replay
+    # on the copy made at capture.
+    native.refuse("compilecore.packed_mm on an input its kernel cannot read in place")
+    return x.contiguous()
+
+
+def _own_kernel_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    lib, (m, k), n = _kernel(), x.shape, w.shape[0]
+    x = _contiguous(x, rows_may_stride=True)
+    y = torch.empty((m, n), dtype=x.dtype)
+    if m:
+        args = (x, x.stride(0), packed_weight(w), y, n, m, n, k, torch.get_num_threads())
+        lib.packed_mm_bf16(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+        # A CPU graph replays this call on the same buffers (it keeps them alive).
+        address = native.function_address(lib.packed_mm_bf16)
+        native.record_native_call(address, args, "compilecore.packed_mm")
+    return y
+
+
+def packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if x.dtype == w.dtype and uses_own_kernel(w.dtype):
+        return _own_kernel_mm(x, w)
+    x = _contiguous(x, rows_may_stride=False)
+    if native.is_capturing():
+        if (recorded := onednn_shim.recorded_linear(x, packed_weight(w))) is not None:
+            return recorded
+        native.refuse("compilecore.packed_mm through oneDNN (no AOTInductor shim to record)")
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), None, "none", [], "")
+
+
+def _fake_packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+# Registered through `torch.library.Library`, not the `custom_op` decorator, whose Python
+# wrapper costs ~8 us a call (NOTES section 9): a batched decode step makes 121 of them.
+_LIB = torch.library.Library("compilecore", "FRAGMENT")
+_LIB.define("packed_mm(Tensor x, Tensor w) -> Tensor")
+_LIB.impl("packed_mm", packed_mm, "CPU")
+torch.library.register_fake("compilecore::packed_mm", _fake_packed_mm, lib=_LIB)
