@@ -70,6 +70,22 @@ def refuse(reason: str) -> None:
         _recorder.fail(reason)
 
 
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def madvise_huge(address: int, length: int) -> bool:
+    """Ask Linux to back [address, address + length) with transparent huge pages (which it
+    does on first touch in the common `madvise` mode); False where it refuses."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(address, length, MADV_HUGEPAGE) == 0
+
+
 def function_address(fn: Any) -> int:
     """The address of a ctypes function (what `record_native_call` takes)."""
     return ctypes.cast(fn, ctypes.c_void_p).value

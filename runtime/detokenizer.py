@@ -8,10 +8,25 @@ token, and emits the difference once it no longer ends in an incomplete characte
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 # Prompt tokens kept as left context, so the first output token decodes with its spacing.
 _CONTEXT_TOKENS = 5
+
+
+def decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """ids -> text as `tokenizer.decode` gives it. For a fast tokenizer without clean-up
+    that is the Rust tokenizer's own `decode`, called directly: transformers' wrapper
+    around it cost more than the decode (3.6 vs 1.6 us for a 6-token window here), and
+    every token decodes two windows."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if callable(getattr(backend, "decode", None)) and not getattr(
+        tokenizer, "clean_up_tokenization_spaces", True
+    ):
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -26,15 +41,13 @@ class IncrementalDetokenizer:
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode = decoder(tokenizer, skip_special_tokens)
         self.stop = stop or []
         self.include_stop = include_stop_str_in_output
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add a token; returns the stop string it completed, if any."""

@@ -9,26 +9,14 @@ with MADV_HUGEPAGE before the model is compiled (benchmarks/NOTES.md, section 13
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch
 from torch import nn
 
+from passes.native import HUGE_PAGE, madvise_huge
+
 logger = logging.getLogger("compilecore")
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-def _madvise_huge(address: int, length: int) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise(address, length, MADV_HUGEPAGE) == 0
 
 
 def pack_parameters(module: nn.Module) -> int:
@@ -45,7 +33,7 @@ def pack_parameters(module: nn.Module) -> int:
     length = -(-total // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside `raw`
     raw = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
     start = -raw.data_ptr() % HUGE_PAGE
-    if not _madvise_huge(raw.data_ptr() + start, length):
+    if not madvise_huge(raw.data_ptr() + start, length):
         logger.info("madvise(MADV_HUGEPAGE) refused: weights stay in normal pages")
         return 0
     arena = raw[start : start + total]

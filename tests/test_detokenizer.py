@@ -67,3 +67,18 @@ def test_real_default_tokenizer_multibyte(default_model_dir):
     for text in TEXTS:
         ids = tok.encode(text, add_special_tokens=False)
         assert _stream(tok, [], ids)[0] == tok.decode(ids)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ids=st.lists(st.integers(0, 511), max_size=12), skip=st.booleans())
+def test_decoder_equals_the_tokenizers_decode(tokenizer, ids, skip):
+    """The detokenizer's decode (the Rust tokenizer's, called directly when transformers
+    would add nothing) gives `tokenizer.decode`'s text, special tokens included; with
+    clean-up on it is transformers' decode itself."""
+    from runtime.detokenizer import decoder
+
+    ids = ids + tokenizer.all_special_ids[:2]
+    assert decoder(tokenizer, skip)(ids) == tokenizer.decode(ids, skip_special_tokens=skip)
+    cleaned = AutoTokenizer.from_pretrained(tokenizer.name_or_path,
+                                            clean_up_tokenization_spaces=True)  # fmt: skip
+    assert decoder(cleaned, skip).func == cleaned.decode

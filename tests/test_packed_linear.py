@@ -129,3 +129,19 @@ def test_compiled_bf16_model_with_the_pass_matches_eager():
     for n in (3, 17, 2):  # the symbolic-size code, where the pass applies
         ids = torch.randint(0, config.vocab_size, (n,))
         testing.assert_compiled_matches_eager(compiled, eager, ids, torch.arange(n), rtol=3e-2)
+
+
+def test_packed_copies_come_from_huge_page_chunks():
+    """Buffers are 64-byte aligned, never overlap, and a copy larger than a chunk gets a
+    chunk of its own, 2 MiB aligned (where Linux backs it with huge pages)."""
+    from passes.native import HUGE_PAGE
+
+    arena = packed_linear._HugePageArena()
+    small = [arena.alloc(n) for n in (100, 64, 4096, 1)]
+    big = arena.alloc(arena.CHUNK + 1)
+    after = arena.alloc(10)
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in [*small, big, after])
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    assert all(b.data_ptr() % 64 == 0 for b in [*small, big, after])
+    assert big.data_ptr() % HUGE_PAGE == 0 and big.numel() == arena.CHUNK + 1
+    assert [b.numel() for b in small] == [100, 64, 4096, 1]

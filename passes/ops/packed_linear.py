@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import weakref
 from pathlib import Path
 
@@ -33,6 +34,36 @@ from passes.ops import onednn_shim
 PACK_BATCH_HINT = 2048
 # id(weight) -> (weak reference to it, (data_ptr, version), its prepared copy)
 _PACKED: dict[int, tuple] = {}
+
+
+class _HugePageArena:
+    """64-byte-aligned buffers carved from 2 MiB-aligned chunks advised MADV_HUGEPAGE. The
+    packed copies are streamed as the weights are (section 16): from huge pages the
+    memory-bound products of 1-8 rows ran up to 1.5x faster (section 27). A chunk is freed
+    when no buffer carved from it is left."""
+
+    CHUNK = 32 << 20
+
+    def __init__(self) -> None:
+        self.chunk: torch.Tensor | None = None
+        self.used = 0
+        self.lock = threading.Lock()
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        size = -(-nbytes // 64) * 64
+        with self.lock:
+            if self.chunk is None or self.used + size > self.chunk.numel():
+                length = max(self.CHUNK, -(-size // native.HUGE_PAGE) * native.HUGE_PAGE)
+                raw = torch.empty(length + native.HUGE_PAGE, dtype=torch.uint8)  # untouched
+                start = -raw.data_ptr() % native.HUGE_PAGE
+                native.madvise_huge(raw.data_ptr() + start, length)  # else normal pages
+                self.chunk, self.used = raw[start : start + length], 0
+            buffer = self.chunk[self.used : self.used + nbytes]
+            self.used += size
+        return buffer
+
+
+_ARENA = _HugePageArena()
 
 
 @functools.cache
@@ -91,7 +122,8 @@ def _prepare(w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
     lib, (n, k) = _kernel(), w.shape
     w = w if w.stride(1) == 1 else w.contiguous()
-    packed = torch.empty(lib.packed_mm_numel(n, k), dtype=w.dtype)
+    numel = lib.packed_mm_numel(n, k)
+    packed = _ARENA.alloc(numel * w.element_size()).view(w.dtype)
     lib.packed_mm_pack(w.data_ptr(), w.stride(0), n, k, packed.data_ptr(),
                        torch.get_num_threads())  # fmt: skip
     return packed
