@@ -201,10 +201,18 @@ def _count_registration(module: Any, name: str, value: Any) -> None:
 
 
 # Any parameter or buffer set on any module (`module.weight = ...`,
-# `load_state_dict(assign=True)`) moves this count; copies into existing tensors do not
-# and need nothing, since they keep each tensor's storage.
+# `load_state_dict(assign=True)`) moves this count. Copies into existing tensors keep each
+# tensor's storage, which graphs read directly, but not the packed copies of weights that
+# batched decode graphs read (`compilecore.packed_mm`): `load_weights` moves the count too
+# (`mark_weights_changed`).
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
+
+
+def mark_weights_changed() -> None:
+    """Weights were written in place (a reload): graphs and everything derived from the
+    weights are made again before their next use."""
+    _REGISTRATIONS[0] += 1
 
 
 def weights_version() -> int:

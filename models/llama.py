@@ -18,6 +18,7 @@ from compilecore.compiled_function import StaticShapeFunction
 from compilecore.config import EngineConfig
 from compilecore.decorators import support_torch_compile
 from compilecore.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
+from compilecore.recipe import mark_weights_changed
 from models.interfaces import SupportsPP, SupportsTP
 from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention
@@ -358,6 +359,7 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                 loaded.add(name)
             else:
                 shards.setdefault(name, set()).add(shard_id)
+        mark_weights_changed()  # a reload in place: graphs read packed copies made before
         return loaded | self._complete_stacked(shards)
 
     def _complete_stacked(self, shards: dict[str, set]) -> set[str]:

@@ -263,3 +263,29 @@ def test_replaced_weights_are_used_by_the_next_decode(tiny_llama, tmp_path):
     assert runner.cpu_graphs[1] is not old_graph  # recorded again
     runner.cpu_graphs[1] = None  # piece by piece: the recipe with the new parameters
     assert _tokens(llm) == after != before
+
+
+def test_weights_reloaded_in_place_reach_batched_graphs(tiny_llama, tmp_path):
+    """Batched decode graphs read packed copies of the weights, not the weights: a reload
+    through `load_weights` (copies into the same tensors, as a trainer's weight sync does)
+    must re-record them, or decode would run on copies of the old weights."""
+    from models.loader import iterate_weights
+
+    llm = LLM(str(tiny_llama[0]), dtype="bfloat16",
+              compilation_config={"cache_dir": str(tmp_path)})  # fmt: skip
+    prompts = [PROMPT, PROMPT[2:], PROMPT[4:]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    before = tokens()
+    runner = llm.llm_engine.runner
+    old_graph = runner.cpu_graphs[3]
+    assert isinstance(old_graph, cpu_graph.CpuGraph)
+    files = sorted(tiny_llama[0].glob("*.safetensors"))
+    runner.model.load_weights((n, t.flip(0)) for n, t in iterate_weights(files))
+    after = tokens()
+    assert runner.cpu_graphs[3] is not old_graph  # recorded again
+    runner.cpu_graphs.update(dict.fromkeys(runner.cpu_graphs))  # piece by piece from now
+    assert tokens() == after != before
