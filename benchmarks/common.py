@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from passes.native import HUGE_PAGE, madvise_huge
+from passes.native import huge_page_buffer
 from runtime import LLM, SamplingParams
 
 PROMPT_37 = list(range(100, 137))  # a 37-token prompt
@@ -36,10 +36,7 @@ def _sum_buffer(nbytes: int, dtype: torch.dtype, device: str, huge: bool) -> tor
     DRAM), on CPU in normal or in transparent huge pages."""
     if not huge:
         return torch.ones(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    madvise_huge(raw.data_ptr() + start, nbytes)
-    return raw[start : start + nbytes].view(dtype).fill_(1)
+    return huge_page_buffer(nbytes)[0].view(dtype).fill_(1)
 
 
 def read_bandwidth(device: str = "cpu", nbytes: int = 512 << 20, repeats: int = 7) -> float:

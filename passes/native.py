@@ -86,6 +86,19 @@ def madvise_huge(address: int, length: int) -> bool:
     return madvise(address, length, MADV_HUGEPAGE) == 0
 
 
+def huge_page_buffer(nbytes: int) -> tuple[Any, bool]:
+    """An untouched uint8 tensor of `nbytes` starting on a 2 MiB boundary and advised
+    MADV_HUGEPAGE (Linux backs it with huge pages on first touch), and whether the advice
+    was taken (normal pages otherwise)."""
+    import torch
+
+    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside `raw`
+    raw = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
+    start = -raw.data_ptr() % HUGE_PAGE
+    advised = madvise_huge(raw.data_ptr() + start, length)
+    return raw[start : start + nbytes], advised
+
+
 def function_address(fn: Any) -> int:
     """The address of a ctypes function (what `record_native_call` takes)."""
     return ctypes.cast(fn, ctypes.c_void_p).value

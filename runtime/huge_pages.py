@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from passes.native import HUGE_PAGE, madvise_huge
+from passes.native import HUGE_PAGE, huge_page_buffer
 
 logger = logging.getLogger("compilecore")
 
@@ -30,13 +30,10 @@ def pack_parameters(module: nn.Module) -> int:
         total += -(-p.numel() * p.element_size() // 64) * 64  # 64-byte aligned rows
     if total < HUGE_PAGE:
         return 0
-    length = -(-total // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside `raw`
-    raw = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
-    start = -raw.data_ptr() % HUGE_PAGE
-    if not madvise_huge(raw.data_ptr() + start, length):
+    arena, advised = huge_page_buffer(total)
+    if not advised:
         logger.info("madvise(MADV_HUGEPAGE) refused: weights stay in normal pages")
         return 0
-    arena = raw[start : start + total]
     with torch.no_grad():
         for p, offset in zip(params, offsets):
             nbytes = p.numel() * p.element_size()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from typing import Any
 
 import torch
 
@@ -82,9 +83,15 @@ def shim_call() -> tuple[ctypes._CFuncPtr, torch.Tensor] | None:
     return fn, torch.tensor([*addresses, 0], dtype=torch.int64)
 
 
+@functools.cache
+def _failure_count() -> Any:
+    return shim_call()[1].numpy()[3:]  # a view of the table's count, made once
+
+
 def failures() -> str | None:
-    """Why the last replays' shim calls failed (the count is reset), or None."""
-    count = shim_call()[1].numpy()[3:]
+    """Why the last replays' shim calls failed (the count is reset), or None: run after
+    every replay of a graph that recorded the shim."""
+    count = _failure_count()
     if count[0] == 0:
         return None
     count[0] = 0

@@ -53,11 +53,8 @@ class _HugePageArena:
         size = -(-nbytes // 64) * 64
         with self.lock:
             if self.chunk is None or self.used + size > self.chunk.numel():
-                length = max(self.CHUNK, -(-size // native.HUGE_PAGE) * native.HUGE_PAGE)
-                raw = torch.empty(length + native.HUGE_PAGE, dtype=torch.uint8)  # untouched
-                start = -raw.data_ptr() % native.HUGE_PAGE
-                native.madvise_huge(raw.data_ptr() + start, length)  # else normal pages
-                self.chunk, self.used = raw[start : start + length], 0
+                self.chunk = native.huge_page_buffer(max(self.CHUNK, size))[0]
+                self.used = 0
             buffer = self.chunk[self.used : self.used + nbytes]
             self.used += size
         return buffer
@@ -160,9 +157,9 @@ def _own_kernel_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if m:
         args = (x, x.stride(0), packed_weight(w), y, n, m, n, k, torch.get_num_threads())
         lib.packed_mm_bf16(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
-        # A CPU graph replays this call on the same buffers (it keeps them alive).
-        address = native.function_address(lib.packed_mm_bf16)
-        native.record_native_call(address, args, "compilecore.packed_mm")
+        if native.is_capturing():  # a CPU graph replays this call on the same buffers
+            address = native.function_address(lib.packed_mm_bf16)
+            native.record_native_call(address, args, "compilecore.packed_mm")
     return y
 
 
