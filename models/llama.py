@@ -41,7 +41,7 @@ from models.utils import (
     make_layers,
     maybe_prefix,
 )
-from passes.ops.gemv import gemv_logits
+from passes.ops import gemv
 
 
 class WeightLoadError(ValueError):
@@ -395,8 +395,12 @@ def _batched_lm_head(engine_config: EngineConfig) -> Callable | None:
     return torch.ops.compilecore.packed_mm
 
 
-def _small_batch_gemv(engine_config: EngineConfig) -> StaticShapeFunction | None:
-    """Compiled engines on CPU read the LM head through a compiled reduction loop."""
+def _small_batch_gemv(engine_config: EngineConfig) -> Callable | None:
+    """Compiled engines on CPU read the LM head at batch 1 through our C loop in bf16 where
+    the CPU has AVX512-BF16 (recorded into CPU graphs like any native op), else through a
+    compiled reduction loop."""
     if engine_config.device.type != "cpu" or engine_config.compilation_config.mode == "none":
         return None
-    return StaticShapeFunction(gemv_logits, engine_config)
+    if gemv.own_kernel_available(engine_config.model_config.dtype):
+        return torch.ops.compilecore.gemv_logits
+    return StaticShapeFunction(gemv.gemv_logits_reduction, engine_config)

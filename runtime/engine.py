@@ -118,7 +118,9 @@ class LLMEngine:
         if not sampling:
             return []
         requests = [s.request for s in sampling]
-        sampled = self.sampler(logits[: len(requests)], requests, self.eos_token_ids)
+        if len(requests) != len(logits):  # no view otherwise: each torch call costs, cold
+            logits = logits[: len(requests)]
+        sampled = self.sampler(logits, requests, self.eos_token_ids)
         finished = []
         for req, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
             req.append_token(token)

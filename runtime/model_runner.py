@@ -28,7 +28,6 @@ from runtime.block_manager import BlockManager
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("compilecore")
-_MISSING = object()
 # Captures of one size that met a module compiled mid-capture before it gives up.
 MAX_CAPTURE_TRIES = 3
 # Decode batches up to this size record CPU graphs by default, each its own (padding would
@@ -209,6 +208,24 @@ class ModelRunner:
         return num_tokens
 
     def _load(self, plan: StepPlan) -> tuple[int, AttentionMetadata]:
+        padded, n, b = self._write_inputs(plan), plan.num_tokens, len(plan.seq_lens)
+        meta = AttentionMetadata(
+            num_actual_tokens=n,
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            slot_mapping=self.slot_mapping[:n],
+            block_table=self.block_table[:b],
+            max_query_len=max(e - s for s, e in zip(plan.query_starts, plan.query_starts[1:])),
+            max_seq_len=max(plan.seq_lens),
+            num_decodes=plan.num_decodes,
+            query_start_loc_cpu=plan.query_starts,
+            seq_lens_cpu=plan.seq_lens,
+        )
+        return padded, meta
+
+    def _write_inputs(self, plan: StepPlan) -> int:
+        """The step's token ids, positions and attention inputs into the persistent
+        buffers (what a recorded graph reads); returns the padded token count."""
         n, b = plan.num_tokens, len(plan.seq_lens)
         padded = self.padded_size(n)
         # Padding rows: token 0 at position 0, slot -1 (written nowhere in the cache).
@@ -226,34 +243,31 @@ class ModelRunner:
                     "seq_lens": b, "slot_mapping": n, "block_table": b}  # fmt: skip
             for name, k in rows.items():
                 getattr(self, name)[:k].copy_(self.staging[name][:k], non_blocking=True)
-        meta = AttentionMetadata(
-            num_actual_tokens=n,
-            query_start_loc=self.query_start_loc[: b + 1],
-            seq_lens=self.seq_lens[:b],
-            slot_mapping=self.slot_mapping[:n],
-            block_table=self.block_table[:b],
-            max_query_len=max(e - s for s, e in zip(plan.query_starts, plan.query_starts[1:])),
-            max_seq_len=max(plan.seq_lens),
-            num_decodes=plan.num_decodes,
-            query_start_loc_cpu=plan.query_starts,
-            seq_lens_cpu=plan.seq_lens,
-        )
-        return padded, meta
+        return padded
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run this rank's stage. Returns logits [len(plan.logits_rows), vocab] on global
         rank 0 (the driver), None elsewhere."""
-        n = plan.num_tokens
         if self.cpu_graphs_version != weights_version():  # a weight replaced: re-record
             self.cpu_graphs.clear()
             self.cpu_graphs_version = weights_version()
         size = self._cpu_graph_size(plan)
-        if size is not None and self.cpu_graphs.get(size, _MISSING) is not None:
+        graph = self.cpu_graphs.get(size) if size is not None else None
+        if graph is not None:
+            # A recorded step calls no torch function on the way, not even inference
+            # mode's guard: right after the weights have streamed through the caches each
+            # such call costs tens of microseconds (benchmarks/NOTES.md, section 30).
+            self._write_inputs(pad_decode_plan(plan, size))
+            logits = graph.replay()
+            return logits if size == plan.num_tokens else logits[: plan.num_tokens]
+        return self._execute(plan, size)
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan, cpu_graph_size: int | None) -> torch.Tensor | None:
+        n, size = plan.num_tokens, cpu_graph_size
+        if size is not None and size not in self.cpu_graphs:  # the first step of its size
             _, meta = self._load(pad_decode_plan(plan, size))
-            graph = self.cpu_graphs.get(size, _MISSING)
-            logits = self._capture_cpu_graph(size, meta) if graph is _MISSING else graph.replay()
-            return logits[:n]  # the rows of padding sequences are dropped
+            return self._capture_cpu_graph(size, meta)[:n]  # padding sequences' rows dropped
         padded, meta = self._load(plan)
         pp = get_pp_group()
         inputs = None

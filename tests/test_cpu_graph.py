@@ -68,6 +68,38 @@ def test_replayed_logits_equal_piecewise_logits_every_step(compiled):
             assert abs(got[token].logprob - want[token].logprob) < 1e-6
 
 
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_replayed_step_calls_no_torch_function_outside_the_graph(compiled, monkeypatch):
+    """Right after the weights stream through the caches each torch call costs tens of
+    microseconds (NOTES section 30): the runner writes a replayed step's inputs through
+    numpy views and hands back the graph's own output buffer."""
+    runner = compiled.llm_engine.runner
+    execute, seen = runner.execute, []
+
+    def watched(plan):
+        replayed = isinstance(
+            runner.cpu_graphs.get(runner._cpu_graph_size(plan)), cpu_graph.CpuGraph
+        )
+        with _TorchCalls() as mode:
+            out = execute(plan)
+        if replayed:
+            seen.append(mode.calls)
+        return out
+
+    monkeypatch.setattr(runner, "execute", watched)
+    _tokens(compiled, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(seen) >= 4 and all(calls == [] for calls in seen), seen
+
+
 def test_graph_matches_hf_in_fp32(tiny_llama, tmp_path):
     path, hf = tiny_llama
     llm = LLM(str(path), compilation_config={"cache_dir": str(tmp_path)})

@@ -13,9 +13,10 @@ from models.layers.vocab_embedding import ParallelLMHead
 class LogitsProcessor(nn.Module):
     """Hidden states -> logits over the whole vocabulary (gathered across TP ranks).
 
-    With `small_batch_gemv` (compiled engines on CPU: `passes.ops.gemv.gemv_logits`
-    compiled per shape), a single row goes through a reduction loop that reads the (large) LM
-    head weight at close to memory bandwidth and returns fp32 logits; with `linear`
+    With `small_batch_gemv` (compiled engines on CPU: `compilecore.gemv_logits` in bf16 on
+    AVX512-BF16, else `passes.ops.gemv.gemv_logits_reduction` compiled per shape), a single
+    row goes through a loop that reads the (large) LM head weight at close to memory
+    bandwidth and returns fp32 logits; with `linear`
     (compiled bf16 engines on CPU: `compilecore.packed_mm`), more rows go through a kernel
     on a weight packed once."""
 

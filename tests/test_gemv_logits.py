@@ -1,0 +1,82 @@
+"""`compilecore.gemv_logits`: the LM head's batch-1 product in our C loop (`gemv.cpp`,
+AVX512-BF16). The oracle is the fp32 product of the same bf16 values: every pair product
+is exact in fp32, so only the summation order differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from compilecore import cpu_graph, testing
+from passes.ops import gemv
+
+pytestmark = pytest.mark.skipif(
+    not gemv.own_kernel_available(torch.bfloat16), reason="no AVX512-BF16 here"
+)
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().t()
+
+
+@testing.settings(max_examples=40)
+@given(
+    m=st.integers(1, 3), n=st.integers(1, 130),
+    k=st.sampled_from([1, 31, 32, 33, 127, 128, 160, 576, 1536]),
+    pad=st.sampled_from([0, 5]),
+)  # fmt: skip
+def test_op_equals_the_exact_product(m, n, k, pad):
+    """Tails of 1-31 values past each 128 and 32, one to three rows, and rows of x and w
+    with a stride (views of wider rows)."""
+    x = torch.randn(m, k + pad).bfloat16()[:, :k]
+    w = (torch.randn(n, k + pad) * 0.1).bfloat16()[:, :k]
+    got = torch.ops.compilecore.gemv_logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    want = _exact(x, w)
+    # fp32 sums of k exact products: each addition rounds by at most 2^-24 of the sum
+    bound = k * 2**-23 * (x.double().abs() @ w.double().abs().t())
+    assert ((got.double() - want).abs() <= bound + 1e-30).all()
+
+
+def test_other_dtypes_are_refused_with_the_alternative():
+    x, w = torch.randn(1, 32), torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="gemv_logits_reduction"):
+        torch.ops.compilecore.gemv_logits(x, w)
+
+
+def test_the_call_is_recorded_into_cpu_graphs(tmp_path):
+    """Inside a capture the op records its C call: a replay on new input values equals the
+    op called again. An input with strided columns is refused, not copied behind the
+    capture's back."""
+    w = (torch.randn(300, 576) * 0.1).bfloat16()
+    x = torch.randn(1, 576).bfloat16()
+    with torch.inference_mode():  # the output is an inference tensor, as in the engine
+        out, graph = cpu_graph.capture(lambda: torch.ops.compilecore.gemv_logits(x, w), tmp_path)
+    assert graph.num_calls == 1
+    torch.testing.assert_close(out.double(), _exact(x, w), rtol=1e-5, atol=1e-5)
+    x.copy_(torch.randn_like(x))
+    assert torch.equal(graph.replay(), torch.ops.compilecore.gemv_logits(x, w))
+    xt = torch.randn(1, 2 * 576).bfloat16()[:, ::2]
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="strided columns"):
+        cpu_graph.capture(lambda: torch.ops.compilecore.gemv_logits(xt, w), tmp_path)
+
+
+def test_compiled_bf16_engine_uses_it_at_batch_1():
+    """The model built for a compiled bf16 CPU engine routes one row through the op (and
+    keeps the compiled reduction for fp32)."""
+    from compilecore.compiled_function import StaticShapeFunction
+    from compilecore.config import CompilationConfig, EngineConfig
+    from models.llama import _small_batch_gemv
+    from tests.helpers import llama_config
+
+    def head(dtype: torch.dtype):
+        config = EngineConfig.for_hf_config(
+            llama_config(), dtype=dtype, compilation_config=CompilationConfig(cache_dir="/dev/null")
+        )
+        return _small_batch_gemv(config)
+
+    bf16, fp32 = head(torch.bfloat16), head(torch.float32)
+    assert bf16 is torch.ops.compilecore.gemv_logits
+    assert isinstance(fp32, StaticShapeFunction)
