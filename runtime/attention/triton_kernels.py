@@ -229,7 +229,8 @@ def prefill_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
-    out = acc / l_sum[:, None]
+    # A tile past the prompt's end runs no block: its rows (never stored) divide 0 by 0.
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     out_rows = (q_start + tok).to(tl.int64) * out_stride + heads * HEAD
     tl.store(
         out_ptr + out_rows[:, None] + d[None, :],
