@@ -183,3 +183,14 @@ def load_library(source: str, name: str, root: Path, flags: list[str] = FLAGS) -
         logger.warning("%s at %s failed to load (%s); rebuilding", name, path, exc)
         build(cxx, source, name, path, flags)
         return ctypes.CDLL(str(path))
+
+
+def load_op_kernel(source: Path, available: str) -> ctypes.CDLL | None:
+    """An op's optional kernel: the library built from `source` (named after the file),
+    or None where it cannot be built or its `available()` says this CPU lacks what it
+    needs; callers then take their fallback."""
+    try:
+        lib = load_library(source.read_text(), source.stem, cache_root() / "torch_compile")
+    except (OSError, KernelBuildError):
+        return None
+    return lib if getattr(lib, available)() else None

@@ -81,6 +81,13 @@ def test_startup_smoke(tiny_llama, tmp_path):
     assert warm["inductor_compiles"] == 0 and warm["cache_hits"] > 0
 
 
+def test_host_smoke(tiny_llama, tmp_path):
+    out = _load("bench_host").main(_args(tiny_llama, tmp_path, "--steps", "6", "--rounds", "2"))
+    rows = _check(out, 2)["rows"]
+    assert all(r["steps"] == 6 and r["replays"] == 6 for r in rows)  # every step replayed
+    assert all(0 < r["replay_ms"] < r["step_ms"] and r["host_ms"] > 0 for r in rows)
+
+
 def test_serve_smoke_reports_missing_peers(tiny_llama, tmp_path, capsys):
     extra = ["--concurrency", "1,2", "--requests-per-client", "1", "--min-words", "2",
              "--max-words", "4", "--min-out", "2", "--max-out", "3"]  # fmt: skip

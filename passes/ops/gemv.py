@@ -28,12 +28,8 @@ def gemv_logits_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
     """`gemv.cpp` built for this CPU, or None where it has no AVX512-BF16."""
-    try:
-        source = Path(__file__).with_name("gemv.cpp").read_text()
-        lib = native.load_library(source, "gemv", native.cache_root() / "torch_compile")
-    except (OSError, native.KernelBuildError):
-        return None
-    if not lib.gemv_available():
+    lib = native.load_op_kernel(Path(__file__).with_name("gemv.cpp"), "gemv_available")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gemv_bf16_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]

@@ -69,12 +69,8 @@ def _kernel() -> ctypes.CDLL | None:
     cpu = getattr(torch._C, "_cpu", None)
     if cpu is not None and getattr(cpu, "_is_amx_tile_supported", lambda: False)():
         return None
-    try:
-        source = Path(__file__).with_name("packed_mm.cpp").read_text()
-        lib = native.load_library(source, "packed_mm", native.cache_root() / "torch_compile")
-    except (OSError, native.KernelBuildError):
-        return None
-    if not lib.packed_mm_available():
+    lib = native.load_op_kernel(Path(__file__).with_name("packed_mm.cpp"), "packed_mm_available")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.packed_mm_numel.argtypes, lib.packed_mm_numel.restype = [i64, i64], i64
