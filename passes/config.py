@@ -13,6 +13,7 @@ DEVICE_DEFAULTS = {
         "fuse_add_rms_norm": False,
         "fuse_qkv_rope": False,
         "fuse_allreduce_rms_norm": False,
+        "fuse_decode_layer": True,
         "gemv_to_reduction": True,
         "packed_linear": True,
     },
@@ -20,6 +21,7 @@ DEVICE_DEFAULTS = {
         "fuse_add_rms_norm": False,
         "fuse_qkv_rope": False,
         "fuse_allreduce_rms_norm": False,
+        "fuse_decode_layer": False,
         "gemv_to_reduction": False,
         "packed_linear": False,
     },
@@ -31,6 +33,8 @@ class PassConfig:
     fuse_add_rms_norm: bool | None = None  # None: the device's default
     fuse_qkv_rope: bool | None = None
     fuse_allreduce_rms_norm: bool | None = None
+    # A decoder layer's one-token piece as one op of our C loops (CPU, bf16, AVX-512).
+    fuse_decode_layer: bool | None = None
     # Small static-M GEMMs as vectorized reductions (pieces compiled for compile_sizes).
     gemv_to_reduction: bool | None = None
     # Other CPU GEMMs with 16-bit weights on a weight packed once (`compilecore.packed_mm`).

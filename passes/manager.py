@@ -59,6 +59,13 @@ def build_passes(
         from passes.fuse_add_rms_norm import AddRMSNormFusionPass
 
         passes.append(AddRMSNormFusionPass())
+    # Before gemv_to_reduction, which would turn the layer's products into reductions.
+    if switches["fuse_decode_layer"] and context.device_type == "cpu" and context.attention_shapes:
+        from passes.fuse_decode_layer import DecodeLayerFusionPass
+        from passes.ops.decode_layer import kernel_available
+
+        if kernel_available():
+            passes.append(DecodeLayerFusionPass(context.attention_shapes))
     if switches["gemv_to_reduction"]:
         from passes.gemv_to_reduction import GemvToReductionPass
 
