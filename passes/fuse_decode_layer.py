@@ -17,10 +17,11 @@ Fused (one parallel region, four barriers, our C loops; NOTES section 31):
                                            w_down, w_in, w_qkv, positions,
                                            cos_sin_cache, eps, H, KV, D)
 
-Only pieces compiled for one token (the static size-1 code), bf16, where the C kernel
-builds (AVX-512). In a Llama with L layers: L - 1 sites (the first piece starts at the
-embedding, the last ends at the final norm). Registered per attention shape, like
-`fuse_qkv_rope`; a match whose projections do not have that shape is left alone.
+Only pieces compiled for one token (the static size-1 code), bf16, RoPE over whole heads,
+where the C kernel builds (AVX-512). In a Llama with L layers: L - 1 sites (the first
+piece starts at the embedding, the last ends at the final norm). Registered per attention
+shape, like `fuse_qkv_rope`; a match whose projections do not have that shape is left
+alone.
 """
 
 from __future__ import annotations
@@ -52,14 +53,16 @@ def _make(shape: AttentionShape):
             value = match.kwargs[name].meta.get("val")
             return tuple(value.shape) if isinstance(value, torch.Tensor) else None
 
-        attn, w_qkv = shape_of("attn"), shape_of("w_qkv")
-        if attn is None or w_qkv is None or not all(isinstance(n, int) for n in attn + w_qkv):
+        attn, w_qkv, cache = shape_of("attn"), shape_of("w_qkv"), shape_of("cache")
+        sizes = (attn, w_qkv, cache)
+        if None in sizes or not all(isinstance(n, int) for size in sizes for n in size):
             return False  # the symbolic-size code: sizes are symbols, never compared
         value = match.kwargs["attn"].meta["val"]
         return (
             attn[0] == 1
             and attn[1] == h * d
             and w_qkv[0] == (h + 2 * kv) * d
+            and cache[-1] == d  # the kernel rotates whole heads
             and value.dtype == torch.bfloat16
         )
 

@@ -6,7 +6,7 @@
 //
 // Why one region: Inductor's kernel for the same piece stops streaming weights for ~13
 // serial blocks and barriers (norms, SiLU, RoPE, bf16 conversions), and in minutes when
-// memory is fast that costs ~12% of the layer against a bare loop over the same products
+// memory is fast that costs ~10% of the layer against a bare loop over the same products
 // (benchmarks/NOTES.md, section 31). Here each thread recomputes the 576-wide norms itself
 // (cheaper than a barrier) and owns whole heads of q and k (RoPE needs no barrier):
 // five barriers a layer.
@@ -144,7 +144,7 @@ struct Piece {
   const float* cos_sin;     // [max_position, rotary_dim]: cos halves, then sin halves
   const int64_t* position;  // [1]
   bf16 *q, *k, *v, *residual_out;
-  float* scratch;  // threads x (hidden + hidden + max(q_size, hidden) + hidden), then 2 x inter
+  float* scratch;  // per thread: residual, normed input, a row block; then shared buffers
   int64_t hidden, q_size, kv_size, inter, head_dim, rotary_dim, threads;
   float eps;
 };
