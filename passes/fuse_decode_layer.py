@@ -29,8 +29,9 @@ from __future__ import annotations
 import torch
 from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import PatternPass, trace_pattern
+from passes.base import trace_pattern
 from passes.config import AttentionShape
+from passes.fuse_qkv_rope import AttentionShapePatternPass
 from passes.ops.decode_layer import decode_layer_ref
 
 _EPS_PLACEHOLDER = 1.2345e-7  # a value no real pattern constant has
@@ -69,16 +70,9 @@ def _make(shape: AttentionShape):
     return search, replace, applies
 
 
-class DecodeLayerFusionPass(PatternPass):
+class DecodeLayerFusionPass(AttentionShapePatternPass):
     name = "fuse_decode_layer"
     depends_on = ("passes.ops.decode_layer",)
-
-    def __init__(self, shapes: list[AttentionShape]):
-        self.shapes = sorted(set(shapes), key=lambda s: (s.num_heads, s.num_kv_heads, s.head_dim))
-        super().__init__()
-
-    def config(self) -> dict:
-        return {"shapes": [(s.num_heads, s.num_kv_heads, s.head_dim) for s in self.shapes]}
 
     def register(self) -> None:
         for shape in self.shapes:

@@ -41,9 +41,9 @@ def _make(shape: AttentionShape):
     return search, replace
 
 
-class QKVRoPEFusionPass(PatternPass):
-    name = "fuse_qkv_rope"
-    depends_on = ("passes.ops.qkv_rope",)
+class AttentionShapePatternPass(PatternPass):
+    """A pattern pass registered once per attention shape of the model (head counts and
+    head size are constants of its patterns)."""
 
     def __init__(self, shapes: list[AttentionShape]):
         self.shapes = sorted(set(shapes), key=lambda s: (s.num_heads, s.num_kv_heads, s.head_dim))
@@ -51,6 +51,11 @@ class QKVRoPEFusionPass(PatternPass):
 
     def config(self) -> dict:
         return {"shapes": [(s.num_heads, s.num_kv_heads, s.head_dim) for s in self.shapes]}
+
+
+class QKVRoPEFusionPass(AttentionShapePatternPass):
+    name = "fuse_qkv_rope"
+    depends_on = ("passes.ops.qkv_rope",)
 
     def register(self) -> None:
         for shape in self.shapes:
