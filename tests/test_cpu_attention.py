@@ -8,11 +8,12 @@ import ctypes
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
 from runtime.attention import TorchPagedAttentionBackend
 from runtime.attention.cpu_build import load_cpu_kernels
-from runtime.attention.cpu_paged import CpuPagedAttentionBackend
+from runtime.attention.cpu_paged import PARALLEL_MIN_WORK, CpuPagedAttentionBackend
 from tests.attention_cases import Batch, batches, build_case, run_and_check
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -50,6 +51,35 @@ def test_many_decodes_long_context(threads):
         batch = Batch(block_size=16, kv_heads=kv_heads, heads=heads, head_size=64, seqs=seqs,
                       padding=2, seed=kv_heads, dtype=torch.bfloat16)  # fmt: skip
         run_and_check(build_case(batch), CpuPagedAttentionBackend(num_threads=threads), 2e-2)
+
+
+@st.composite
+def split_batches(draw):
+    """Batch-1-like decodes: one or two sequences, few KV heads, long contexts (the second
+    sequence may be far shorter, leaving parts of it empty)."""
+    kv_heads = draw(st.integers(1, 3))
+    first = draw(st.integers(PARALLEL_MIN_WORK // kv_heads, 400))  # enough work for 2 threads
+    seqs = [(first, 1)]
+    if kv_heads == 1 and draw(st.booleans()):
+        seqs.append((draw(st.integers(0, 400)), 1))
+    return Batch(block_size=draw(st.sampled_from([1, 16])), kv_heads=kv_heads,
+                 heads=kv_heads * draw(st.sampled_from([1, 3])),
+                 head_size=draw(st.sampled_from([40, 64])), seqs=seqs,
+                 padding=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)),
+                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])))  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=split_batches())
+def test_split_decode_equals_dense(batch):
+    """With fewer (sequence, KV head) pairs than two per thread the kernel splits each
+    sequence into parts and merges their softmax states: still dense attention."""
+    case = build_case(batch)
+    run_and_check(case, CpuPagedAttentionBackend(num_threads=2), TOL[batch.dtype])
+    threads = case.meta.cache["cpu_paged"].threads  # what the backend chose for this step
+    longest = max(ctx + q for ctx, q in batch.seqs)
+    parts = load_cpu_kernels().decode_parts(len(batch.seqs) * batch.kv_heads, longest, threads)
+    assert threads == 2 and parts > 1  # the case took the split path
 
 
 def test_bf16_rounding_matches_torch():

@@ -7,17 +7,24 @@
 // of K starts at k_cache + s * num_kv_heads * head_size. Each (sequence, KV head) pair is
 // one task: the group of query heads that share the KV head reads each K/V row once, and
 // an online softmax over chunks of tokens keeps everything in a few small stack buffers.
+// With few pairs for the threads (batch-1 decode: 3 KV heads on 2 threads) each sequence
+// is also split into parts whose softmax states are merged afterwards (split-KV, as in
+// flash-decoding): both threads work, on cache rows and code that the weight stream has
+// just evicted, and the batch-1 step between two layers is about half as long.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kMaxGroupDims = 8192;  // query heads per KV head x head size
 constexpr int64_t kChunk = 16;           // tokens per online-softmax update: one vector
 constexpr int64_t kMaxGroup = 64;
+constexpr int64_t kMaxParts = 16;        // parts a sequence is split into (split-KV)
+constexpr int64_t kMinPartTokens = 32;   // no part shorter than this
 
 using bf16 = uint16_t;
 
@@ -131,13 +138,14 @@ struct OnlineSoftmax {
       max[g] = m;
     }
   }
-  float inverse_sum(int64_t g) const { return sum[g] > 0.f ? 1.f / sum[g] : 0.f; }
 };
 
 // Walks a sequence's block table token by token without a division per token.
 struct SlotCursor {
   const int32_t* blocks;
-  int64_t block_size, block = 0, offset = 0;
+  int64_t block_size, block, offset;
+  SlotCursor(const int32_t* b, int64_t size, int64_t first)
+      : blocks(b), block_size(size), block(first / size), offset(first % size) {}
   // Element offsets (slot * row stride) of the next n tokens.
   void next(int64_t n, int64_t stride, int64_t* out) {
     for (int64_t j = 0; j < n; ++j) {
@@ -161,10 +169,43 @@ void write_kv(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* k_c
   }
 }
 
+// A task's softmax state for tokens [begin, end): per query head of the group the
+// unnormalized output (group * d floats), then the running max (group), then the sum of
+// exponentials (group). `finish` merges the states of one (sequence, KV head).
+inline int64_t state_size(int64_t group, int64_t d) { return group * (d + 2); }
+
+inline void save_state(const OnlineSoftmax& softmax, int64_t group, int64_t d, float* state) {
+  for (int64_t g = 0; g < group; ++g) {
+    state[group * d + g] = softmax.max[g];
+    state[group * d + group + g] = softmax.sum[g];
+  }
+}
+
+template <typename T>
+void finish(const float* states, int64_t parts, int64_t group, int64_t d, T* out) {
+  const int64_t size = state_size(group, d);
+  for (int64_t g = 0; g < group; ++g) {
+    float m = -INFINITY, total = 0.f;
+    for (int64_t p = 0; p < parts; ++p) m = std::max(m, states[p * size + group * d + g]);
+    float weight[kMaxParts];
+    for (int64_t p = 0; p < parts; ++p) {  // an empty part (max -inf) weighs nothing
+      const float pm = states[p * size + group * d + g];
+      weight[p] = pm == -INFINITY ? 0.f : std::exp(pm - m);
+      total += weight[p] * states[p * size + group * d + group + g];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t x = 0; x < d; ++x) {
+      float acc = 0.f;
+      for (int64_t p = 0; p < parts; ++p) acc += weight[p] * states[p * size + g * d + x];
+      store(out + g * d + x, acc * inv);
+    }
+  }
+}
+
 template <typename T>
 void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
-                int64_t seq_len, T* out, int64_t group, int64_t num_kv_heads, int64_t kv_head,
-                int64_t d, int64_t block_size, float scale) {
+                int64_t begin, int64_t end, float* state, int64_t group, int64_t num_kv_heads,
+                int64_t kv_head, int64_t d, int64_t block_size, float scale) {
   float qf[kMaxGroupDims], acc[kMaxGroupDims], row[512];
   float scores[kMaxGroup * kChunk];
   OnlineSoftmax softmax(group);
@@ -172,10 +213,10 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
     qf[i] = to_float(q[i]) * scale;
     acc[i] = 0.f;
   }
-  SlotCursor cursor{blocks, block_size};
+  SlotCursor cursor(blocks, block_size, begin);
   int64_t rows[kChunk];
-  for (int64_t start = 0; start < seq_len; start += kChunk) {
-    const int64_t n = seq_len - start < kChunk ? seq_len - start : kChunk;
+  for (int64_t start = begin; start < end; start += kChunk) {
+    const int64_t n = end - start < kChunk ? end - start : kChunk;
     cursor.next(n, num_kv_heads * d, rows);
     for (int64_t j = 0; j < n; ++j) {
       const T* k = k_cache + rows[j] + kv_head * d;
@@ -204,10 +245,8 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = softmax.inverse_sum(g);
-    for (int64_t x = 0; x < d; ++x) store(out + g * d + x, acc[g * d + x] * inv);
-  }
+  std::memcpy(state, acc, group * d * sizeof(float));
+  save_state(softmax, group, d, state);
 }
 
 // The same online softmax with the head dimension in registers: D is a compile-time
@@ -215,8 +254,8 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
 // independent multiplies and one horizontal sum.
 template <typename T, int64_t D>
 void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
-                    int64_t seq_len, T* out, int64_t group, int64_t num_kv_heads,
-                    int64_t kv_head, int64_t block_size, float scale) {
+                    int64_t begin, int64_t end, float* state, int64_t group,
+                    int64_t num_kv_heads, int64_t kv_head, int64_t block_size, float scale) {
   constexpr int64_t C = D / 16;
   f32x16 qv[kMaxGroupDims / 16], acc[kMaxGroupDims / 16], row[C];
   float scores[kMaxGroup * kChunk];
@@ -225,10 +264,10 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_
     qv[i] = load16(q + i * 16) * scale;
     acc[i] = f32x16{};
   }
-  SlotCursor cursor{blocks, block_size};
+  SlotCursor cursor(blocks, block_size, begin);
   int64_t rows[kChunk];
-  for (int64_t start = 0; start < seq_len; start += kChunk) {
-    const int64_t n = seq_len - start < kChunk ? seq_len - start : kChunk;
+  for (int64_t start = begin; start < end; start += kChunk) {
+    const int64_t n = end - start < kChunk ? end - start : kChunk;
     cursor.next(n, num_kv_heads * D, rows);
     for (int64_t j = 0; j < n; ++j) {
       const T* k = k_cache + rows[j] + kv_head * D;
@@ -251,20 +290,18 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = softmax.inverse_sum(g);
-    for (int64_t c = 0; c < C; ++c)
-      for (int64_t x = 0; x < 16; ++x) store(out + (g * C + c) * 16 + x, acc[g * C + c][x] * inv);
-  }
+  std::memcpy(state, acc, group * D * sizeof(float));
+  save_state(softmax, group, D, state);
 }
 
 template <typename T>
 void decode_task(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
-                 int64_t seq_len, T* out, int64_t group, int64_t num_kv_heads, int64_t kv_head,
-                 int64_t d, int64_t block_size, float scale) {
+                 int64_t begin, int64_t end, float* state, int64_t group,
+                 int64_t num_kv_heads, int64_t kv_head, int64_t d, int64_t block_size,
+                 float scale) {
 #define VEC_CASE(DIM)                                                                      \
   case DIM:                                                                                \
-    return decode_one_vec<T, DIM>(q, k_cache, v_cache, blocks, seq_len, out, group,       \
+    return decode_one_vec<T, DIM>(q, k_cache, v_cache, blocks, begin, end, state, group,  \
                                   num_kv_heads, kv_head, block_size, scale);
   switch (d) {
     VEC_CASE(64)
@@ -273,10 +310,25 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     VEC_CASE(128)
     VEC_CASE(256)
     default:
-      return decode_one(q, k_cache, v_cache, blocks, seq_len, out, group, num_kv_heads,
+      return decode_one(q, k_cache, v_cache, blocks, begin, end, state, group, num_kv_heads,
                         kv_head, d, block_size, scale);
   }
 #undef VEC_CASE
+}
+
+inline int64_t longest(const int32_t* seq_lens, int64_t num_seqs) {
+  int64_t n = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) n = std::max<int64_t>(n, seq_lens[s]);
+  return n;
+}
+
+// Parts per sequence: enough (sequence, KV head, part) tasks for two per thread, none
+// shorter than kMinPartTokens; 1 when the pairs alone keep the threads busy.
+inline int64_t num_parts(int64_t pairs, int64_t longest_len, int64_t num_threads) {
+  if (num_threads <= 1 || pairs >= 2 * num_threads) return 1;
+  const int64_t want = (2 * num_threads + pairs - 1) / pairs;
+  const int64_t most = std::max<int64_t>(1, longest_len / kMinPartTokens);
+  return std::min({want, most, kMaxParts});
 }
 
 template <typename T>
@@ -285,17 +337,31 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
             int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
             int64_t head_size, int64_t block_size, float scale, int64_t num_threads) {
   const int64_t group = num_heads / num_kv_heads;
+  const int64_t parts = num_parts(num_seqs * num_kv_heads, longest(seq_lens, num_seqs),
+                                  num_threads);
+  const int64_t size = state_size(group, head_size);
+  // Parts' states live until the merge; one part's state stays on the task's stack.
+  std::vector<float> states(parts > 1 ? num_seqs * num_kv_heads * parts * size : 0);
   // Small batches are cheaper on one thread than waking the OpenMP pool.
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads) \
+#pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(num_threads) \
     if (num_threads > 1)
   for (int64_t s = 0; s < num_seqs; ++s) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t first = h * group * head_size;
-      decode_task(q + s * q_stride + first, k_cache, v_cache, block_table + s * bt_stride,
-                 int64_t(seq_lens[s]), out + s * out_stride + first, group, num_kv_heads, h,
-                 head_size, block_size, scale);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t first = h * group * head_size, len = seq_lens[s];
+        float local[kMaxGroupDims + 2 * kMaxGroup];
+        float* state = parts > 1 ? &states[((s * num_kv_heads + h) * parts + p) * size] : local;
+        decode_task(q + s * q_stride + first, k_cache, v_cache, block_table + s * bt_stride,
+                    len * p / parts, len * (p + 1) / parts, state, group, num_kv_heads, h,
+                    head_size, block_size, scale);
+        if (parts == 1) finish(state, 1, group, head_size, out + s * out_stride + first);
+      }
     }
   }
+  for (int64_t s = 0; parts > 1 && s < num_seqs; ++s)
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      finish(&states[(s * num_kv_heads + h) * parts * size], parts, group, head_size,
+             out + s * out_stride + h * group * head_size);
 }
 
 }  // namespace
@@ -303,6 +369,10 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
 extern "C" {
 
 int64_t max_group_dims() { return kMaxGroupDims; }
+// Parts each sequence's decode is split into (for tests and readers of a profile).
+int64_t decode_parts(int64_t pairs, int64_t longest_len, int64_t num_threads) {
+  return num_parts(pairs, longest_len, num_threads);
+}
 int64_t max_group() { return kMaxGroup; }
 
 #define COMPILECORE_KERNELS(NAME, T)                                                       \
@@ -329,9 +399,7 @@ int64_t max_group() { return kMaxGroup; }
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,      \
                            int64_t head_size, int64_t block_size, const float* scale,      \
                            int64_t max_threads, int64_t min_parallel_work) {               \
-    int64_t longest = 0;                                                                   \
-    for (int64_t s = 0; s < num_seqs; ++s) longest = std::max<int64_t>(longest, seq_lens[s]); \
-    const int64_t work = num_seqs * num_kv_heads * longest;                                \
+    const int64_t work = num_seqs * num_kv_heads * longest(seq_lens, num_seqs);            \
     decode(q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out,           \
            out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size, *scale,   \
            work >= min_parallel_work ? max_threads : 1);                                   \

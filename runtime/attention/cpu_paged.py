@@ -22,7 +22,9 @@ from runtime.attention.torch_paged import TorchPagedAttentionBackend, _plan, _St
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Below this many (sequence, KV head, token) triples, one thread beats waking the pool.
-PARALLEL_MIN_WORK = 8192
+# Batch-1 decode of SmolLM2 (3 KV heads) goes parallel from 64 tokens on: the kernel then
+# splits the sequence so both threads work (benchmarks/NOTES.md, section 32).
+PARALLEL_MIN_WORK = 192
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
