@@ -19,7 +19,14 @@ from torch._guards import detect_fake_mode
 from torch._inductor.compile_fx import graph_returns_tuple
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from compilecore.compile_cache import CompileCache, cache_factors, cache_key, traced_files
+from compilecore.compile_cache import (
+    CompileCache,
+    cache_factors,
+    cache_key,
+    load_pass_report,
+    save_pass_report,
+    traced_files,
+)
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
 from compilecore.cuda_graph import CUDAGraphWrapper
@@ -325,9 +332,35 @@ class CompilecoreBackend:
             )
         finally:
             quiet.setLevel(level)
+        self._pass_report(name, self._pass_report_key(piece, args, dynamic))
         cache.save(name, artifact)
         self.stats.inductor_s += time.perf_counter() - t0
         return artifact
+
+    def _pass_report_key(self, piece: Piece, args: list[Any], dynamic: bool) -> str:
+        inputs = [
+            f"{a.dtype}{[str(d) for d in a.shape]}" if isinstance(a, torch.Tensor) else repr(a)
+            for a in args
+        ]
+        return cache_key({
+            "graph": graph_signature(piece.graph), "inputs": inputs, "dynamic": dynamic,
+            "passes": self.pass_manager.uuid(), "torch": torch.__version__,
+        })  # fmt: skip
+
+    def _pass_report(self, name: str, key: str) -> None:
+        """Match counts and op histograms of this compile. When Inductor's FX graph cache
+        answered (code compiled before, e.g. under another compilecore cache dir), the
+        passes did not run: the report of the compile that ran them stands in."""
+        manager = self.pass_manager
+        if name in manager.match_counts:
+            histogram = manager.histograms.get(name)
+            save_pass_report(key, {"matches": manager.match_counts[name], "histogram": histogram})
+        elif (report := load_pass_report(key)) is not None:
+            manager.match_counts[name] = report["matches"]
+            if report.get("histogram"):
+                manager.histograms[name] = report["histogram"]
+        else:
+            logger.info("%s: Inductor's cache answered and no pass report was found", name)
 
     def _load(self, name: str, returns_tuple: bool, cache: CompileCache) -> Callable | None:
         t0 = time.perf_counter()

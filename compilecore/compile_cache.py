@@ -162,6 +162,45 @@ def check_cache_root(root: Path) -> None:
         )
 
 
+def atomic_write(folder: Path, filename: str, write) -> None:
+    """`write(tmp_path)`, then rename onto folder/filename: readers never see half a file.
+    Raises OSError."""
+    tmp = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        write(tmp)
+        os.replace(tmp, folder / filename)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _pass_report_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "compilecore_pass_reports"
+
+
+def save_pass_report(key: str, report: dict[str, Any]) -> None:
+    """What the passes did in one compile, kept beside Inductor's FX graph cache: a later
+    compile of the same graph under another compilecore cache dir gets Inductor's cached
+    code without running the passes, and reads this report instead."""
+    try:
+        text = json.dumps(report)
+        atomic_write(_pass_report_dir(), f"{key}.json", lambda tmp: Path(tmp).write_text(text))
+    except OSError as exc:  # a report only: the compile itself is fine
+        logger.debug("cannot save the pass report %s: %s", key, exc)
+
+
+def load_pass_report(key: str) -> dict[str, Any] | None:
+    try:
+        return json.loads((_pass_report_dir() / f"{key}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 class CompileCache:
     def __init__(self, engine_config: EngineConfig, key: str, tag: str):
         root = compile_cache_root(engine_config)
@@ -211,18 +250,10 @@ class CompileCache:
             return None
 
     def _atomic_write(self, filename: str, write) -> None:
-        tmp = None
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=self.dir)
-            os.close(fd)
-            write(tmp)
-            os.replace(tmp, self.dir / filename)
+            atomic_write(self.dir, filename, write)
         except OSError as exc:
             self._write_failed(filename, exc)
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
 
     def save(self, name: str, artifact: Any) -> None:
         if self.enabled:

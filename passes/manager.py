@@ -102,7 +102,8 @@ class PostGradPassManager(CustomGraphPass):
             passes = build_passes(self.switches, self.context, custom_passes)
         self.passes = passes
         self.current_piece = "graph"  # set by the backend before each piece's compile
-        # piece -> pass name -> sites matched (only pieces actually compiled, not cache hits)
+        # piece -> pass name -> sites matched (pieces whose passes ran; for a piece Inductor's
+        # cache answered, the backend adds the report saved when they ran)
         self.match_counts: dict[str, dict[str, int]] = {}
         # piece -> {"before": op histogram, "after": op histogram} around all passes
         self.histograms: dict[str, dict[str, dict[str, int]]] = {}

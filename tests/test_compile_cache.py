@@ -58,6 +58,37 @@ def test_warm_start_and_corrupt_entry(tiny_llama, tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))  # atomic writes leave no temporaries
 
 
+def test_pass_report_survives_an_inductor_cache_hit(tiny_llama, tmp_path, monkeypatch):
+    """A compile that Inductor's FX graph cache answers (here: the same model under a new
+    compilecore cache dir) runs no passes; the report saved by the compile that ran them
+    stands in, so the stats (and dumps) still say what the passes did."""
+    import shutil
+
+    from torch._dynamo.utils import counters
+
+    from runtime import LLM
+
+    inductor = tmp_path / "inductor"  # a cold Inductor cache of this test's own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+
+    def matches(name: str) -> dict:
+        cc = {"cache_dir": str(tmp_path / name)}
+        llm = LLM(str(tiny_llama[0]), max_model_len=64, compilation_config=cc)
+        backend = llm.llm_engine.runner.model.model._compiled_forward.backend
+        return backend.stats.pass_matches_by_variant
+
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    first = matches("a")
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits  # the passes ran
+    assert first["size_1"]["gemv_to_reduction"] > 0
+    second = matches("b")
+    assert counters["inductor"]["fxgraph_cache_hit"] > hits  # Inductor answered...
+    assert second == first  # ...and the saved report stood in for the passes
+    shutil.rmtree(inductor / "compilecore_pass_reports")
+    third = matches("c")  # without the report nothing is known, and nothing is made up
+    assert not any(third.values())
+
+
 # -- the cache folder is code: who may write it, and what if nobody can ----------------
 def _greedy(path, cache_dir) -> list[int]:
     from runtime import LLM, SamplingParams
