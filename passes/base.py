@@ -18,13 +18,16 @@ import os
 import sys
 import uuid as uuid_lib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
 from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+if TYPE_CHECKING:
+    from passes.config import AttentionShape
 
 logger = logging.getLogger("compilecore.passes")
 
@@ -177,6 +180,18 @@ class PatternPass(GraphPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         return self.patterns.apply(graph)
+
+
+class AttentionShapePatternPass(PatternPass):
+    """A pattern pass registered once per attention shape of the model (head counts and
+    head size are constants of its patterns)."""
+
+    def __init__(self, shapes: list[AttentionShape]):
+        self.shapes = sorted(set(shapes), key=lambda s: (s.num_heads, s.num_kv_heads, s.head_dim))
+        super().__init__()
+
+    def config(self) -> dict:
+        return {"shapes": [(s.num_heads, s.num_kv_heads, s.head_dim) for s in self.shapes]}
 
 
 def _describe(value: Any) -> str:

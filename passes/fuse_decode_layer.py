@@ -29,9 +29,8 @@ from __future__ import annotations
 import torch
 from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import trace_pattern
+from passes.base import AttentionShapePatternPass, trace_pattern
 from passes.config import AttentionShape
-from passes.fuse_qkv_rope import AttentionShapePatternPass
 from passes.ops.decode_layer import decode_layer_ref
 
 _EPS_PLACEHOLDER = 1.2345e-7  # a value no real pattern constant has

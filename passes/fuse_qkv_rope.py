@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import PATTERN_DTYPES, PatternPass, trace_pattern
+from passes.base import PATTERN_DTYPES, AttentionShapePatternPass, trace_pattern
 from passes.config import AttentionShape
 from passes.ops.qkv_rope import apply_rope, rope_cos_sin
 
@@ -39,18 +39,6 @@ def _make(shape: AttentionShape):
         return out[0], out[1], out[2]
 
     return search, replace
-
-
-class AttentionShapePatternPass(PatternPass):
-    """A pattern pass registered once per attention shape of the model (head counts and
-    head size are constants of its patterns)."""
-
-    def __init__(self, shapes: list[AttentionShape]):
-        self.shapes = sorted(set(shapes), key=lambda s: (s.num_heads, s.num_kv_heads, s.head_dim))
-        super().__init__()
-
-    def config(self) -> dict:
-        return {"shapes": [(s.num_heads, s.num_kv_heads, s.head_dim) for s in self.shapes]}
 
 
 class QKVRoPEFusionPass(AttentionShapePatternPass):

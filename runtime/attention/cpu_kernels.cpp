@@ -340,8 +340,11 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
   const int64_t parts = num_parts(num_seqs * num_kv_heads, longest(seq_lens, num_seqs),
                                   num_threads);
   const int64_t size = state_size(group, head_size);
-  // Parts' states live until the merge; one part's state stays on the task's stack.
-  std::vector<float> states(parts > 1 ? num_seqs * num_kv_heads * parts * size : 0);
+  // Parts' states live until the merge (in the calling thread's buffer, kept between
+  // calls: this runs once a layer every step); one part's state stays on the task's stack.
+  thread_local std::vector<float> buffer;
+  if (parts > 1) buffer.resize(num_seqs * num_kv_heads * parts * size);
+  float* states = buffer.data();  // the team's threads see this thread's buffer through it
   // Small batches are cheaper on one thread than waking the OpenMP pool.
 #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(num_threads) \
     if (num_threads > 1)
@@ -350,7 +353,7 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t first = h * group * head_size, len = seq_lens[s];
         float local[kMaxGroupDims + 2 * kMaxGroup];
-        float* state = parts > 1 ? &states[((s * num_kv_heads + h) * parts + p) * size] : local;
+        float* state = parts > 1 ? states + ((s * num_kv_heads + h) * parts + p) * size : local;
         decode_task(q + s * q_stride + first, k_cache, v_cache, block_table + s * bt_stride,
                     len * p / parts, len * (p + 1) / parts, state, group, num_kv_heads, h,
                     head_size, block_size, scale);
@@ -360,7 +363,7 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
   }
   for (int64_t s = 0; parts > 1 && s < num_seqs; ++s)
     for (int64_t h = 0; h < num_kv_heads; ++h)
-      finish(&states[(s * num_kv_heads + h) * parts * size], parts, group, head_size,
+      finish(states + (s * num_kv_heads + h) * parts * size, parts, group, head_size,
              out + s * out_stride + h * group * head_size);
 }
 
