@@ -185,12 +185,29 @@ def load_library(source: str, name: str, root: Path, flags: list[str] = FLAGS) -
         return ctypes.CDLL(str(path))
 
 
-def load_op_kernel(source: Path, available: str) -> ctypes.CDLL | None:
+# Row lengths from which a kernel's product gets a fully unrolled copy of its own: the
+# ~1 KB rows of a real model's layers, where a loop exit per row costs (NOTES section 33);
+# smaller rows (test models) share the one generic build.
+UNROLL_MIN_K, UNROLL_MAX_K = 256, 16384
+
+
+def unrolled_sizes(*sizes: int) -> tuple[int, ...]:
+    """The row lengths among `sizes` that an op's kernel is worth building unrolled for."""
+    return tuple(sorted({k for k in sizes if UNROLL_MIN_K <= k <= UNROLL_MAX_K}))
+
+
+def load_op_kernel(
+    source: Path, available: str, dot_sizes: Sequence[int] = ()
+) -> ctypes.CDLL | None:
     """An op's optional kernel: the library built from `source` (named after the file),
     or None where it cannot be built or its `available()` says this CPU lacks what it
-    needs; callers then take their fallback."""
+    needs; callers then take their fallback. `dot_sizes`: row lengths the source's
+    `CC_DOT_SIZES` list gets (`CC_DOT(576) CC_DOT(1536)`), one build per list."""
+    flags = FLAGS
+    if dot_sizes:
+        flags = FLAGS + ["-DCC_DOT_SIZES=" + " ".join(f"CC_DOT({k})" for k in dot_sizes)]
     try:
-        lib = load_library(source.read_text(), source.stem, cache_root() / "torch_compile")
+        lib = load_library(source.read_text(), source.stem, cache_root() / "torch_compile", flags)
     except (OSError, KernelBuildError):
         return None
     return lib if getattr(lib, available)() else None

@@ -58,6 +58,18 @@ def test_op_equals_the_unfused_math(hidden, inter, heads, head_dim, seed):
     _close(torch.ops.compilecore.decode_layer(*args, *shape), op.decode_layer_ref(*args, *shape))
 
 
+@testing.settings(max_examples=6)
+@given(seed=st.integers(0, 2**16), position=st.integers(0, 31))
+def test_unrolled_products_equal_the_unfused_math(seed, position):
+    """Rows of 264 and 256 (a real model's ~1 KB rows; 264 leaves a tail past each 16) run
+    the build unrolled for those lengths, against the same oracle."""
+    args = _inputs(264, 256, 4, 2, 66, seed=seed)
+    args[8].fill_(position)
+    shape = (1e-5, 4, 2, 66)
+    assert op._kernel(native.unrolled_sizes(264, 256)).decode_layer_unrolled(264) == 1
+    _close(torch.ops.compilecore.decode_layer(*args, *shape), op.decode_layer_ref(*args, *shape))
+
+
 def test_a_wrong_rotation_would_be_caught():
     """The tolerance is far below what a real mistake costs: RoPE at the wrong position."""
     args = _inputs(64, 48, 4, 2, 32)

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from compilecore import cpu_graph, testing
+from passes import native
 from passes.ops import gemv
 
 pytestmark = pytest.mark.skipif(
@@ -24,12 +25,13 @@ def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @testing.settings(max_examples=40)
 @given(
     m=st.integers(1, 3), n=st.integers(1, 130),
-    k=st.sampled_from([1, 31, 32, 33, 127, 128, 160, 576, 1536]),
+    k=st.sampled_from([1, 31, 32, 33, 127, 128, 160, 300, 576, 1536]),
     pad=st.sampled_from([0, 5]),
 )  # fmt: skip
 def test_op_equals_the_exact_product(m, n, k, pad):
     """Tails of 1-31 values past each 128 and 32, one to three rows, and rows of x and w
-    with a stride (views of wider rows)."""
+    with a stride (views of wider rows); rows of 300, 576 and 1536 run the unrolled copy
+    (300: a masked tail past the last 32)."""
     x = torch.randn(m, k + pad).bfloat16()[:, :k]
     w = (torch.randn(n, k + pad) * 0.1).bfloat16()[:, :k]
     got = torch.ops.compilecore.gemv_logits(x, w)
@@ -80,3 +82,12 @@ def test_compiled_bf16_engine_uses_it_at_batch_1():
     bf16, fp32 = head(torch.bfloat16), head(torch.float32)
     assert bf16 is torch.ops.compilecore.gemv_logits
     assert isinstance(fp32, StaticShapeFunction)
+
+
+def test_long_rows_get_an_unrolled_build_of_their_own():
+    """The op's library for rows of 576 unrolls exactly that length; the generic build and
+    short rows (test models) loop."""
+    assert gemv._kernel(native.unrolled_sizes(576)).gemv_unrolled(576) == 1
+    assert gemv._kernel(native.unrolled_sizes(576)).gemv_unrolled(577) == 0
+    assert gemv._kernel().gemv_unrolled(576) == 0
+    assert native.unrolled_sizes(64, 576, 1536, 576, 10**6) == (576, 1536)

@@ -21,6 +21,11 @@
 #include <immintrin.h>
 #endif
 
+// Row lengths with an unrolled product (see dot_fixed); none unless the build sets them.
+#ifndef CC_DOT_SIZES
+#define CC_DOT_SIZES
+#endif
+
 namespace {
 
 typedef uint16_t bf16;
@@ -74,17 +79,13 @@ inline void add_round(const float* a, const B* b, float* out, int64_t n) {
   }
 }
 
-// One row: one accumulator. Four accumulators (or vdpbf16ps) issue loads faster but read
-// these weights no faster from memory, and a bit slower in fast minutes (section 31).
-inline float dot(const float* x, const bf16* w, int64_t K) {
+// One row of a product whose length K is known only when running: one accumulator.
+inline float dot_loop(const float* x, const bf16* w, int64_t K) {
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k));
-    __m512 wf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(x + k), wf));
-  }
+  for (; k + 16 <= K; k += 16)
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(x + k), load16(w + k)));
   float sum = _mm512_reduce_add_ps(acc);
 #else
   float sum = 0.f;
@@ -92,6 +93,37 @@ inline float dot(const float* x, const bf16* w, int64_t K) {
 #endif
   for (; k < K; ++k) sum += x[k] * to_f32(w[k]);
   return sum;
+}
+
+// The same row with K known when compiling: fully unrolled over four accumulators. A loop
+// that exits after every row (~1 KB) streamed ~10% slower in minutes when memory is fast,
+// and one accumulator's chain of adds caps a core near the rate such a minute delivers
+// (benchmarks/NOTES.md, section 33).
+template <int64_t K>
+inline float dot_fixed(const float* x, const bf16* w) {
+#if defined(__AVX512F__)
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+#pragma GCC unroll 256
+  for (int64_t k = 0; k < K / 16 * 16; k += 16)
+    acc[k / 16 % 4] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), acc[k / 16 % 4]);
+  float sum = _mm512_reduce_add_ps(
+      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  for (int64_t k = K / 16 * 16; k < K; ++k) sum += x[k] * to_f32(w[k]);
+  return sum;
+#else
+  return dot_loop(x, w, K);
+#endif
+}
+
+// decode_layer.py builds this file per model with the row lengths of its products
+// (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576) CC_DOT(1536)"`); other lengths loop.
+inline float dot(const float* x, const bf16* w, int64_t K) {
+#define CC_DOT(n) \
+  if (K == (n)) return dot_fixed<(n)>(x, w);
+  CC_DOT_SIZES
+#undef CC_DOT
+  return dot_loop(x, w, K);
 }
 
 // out = bf16(rms_norm(s) * weight) as fp32, s already bf16-rounded.
@@ -217,6 +249,15 @@ void run(const Piece& p) {
 }  // namespace
 
 extern "C" {
+
+// Whether this build has an unrolled copy of the product for rows of length K.
+int64_t decode_layer_unrolled(int64_t K) {
+#define CC_DOT(n) \
+  if (K == (n)) return 1;
+  CC_DOT_SIZES
+#undef CC_DOT
+  return 0;
+}
 
 int64_t decode_layer_available() {
 #if defined(__AVX512F__)

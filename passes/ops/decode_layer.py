@@ -58,15 +58,18 @@ def decode_layer_ref(
 
 
 @functools.cache
-def _kernel() -> ctypes.CDLL | None:
+def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
+    """`decode_layer.cpp` built for this CPU, its products unrolled for `dot_sizes`."""
     source = Path(__file__).with_name("decode_layer.cpp")
-    lib = native.load_op_kernel(source, "decode_layer_available")
+    lib = native.load_op_kernel(source, "decode_layer_available", dot_sizes)
     if lib is None:
         return None
     lib.decode_layer_bf16.argtypes = [ctypes.c_void_p] * 15 + [ctypes.c_int64] * 8
     lib.decode_layer_bf16.restype = None
     lib.decode_layer_scratch.argtypes = [ctypes.c_int64] * 4
     lib.decode_layer_scratch.restype = ctypes.c_int64
+    lib.decode_layer_unrolled.argtypes = [ctypes.c_int64]
+    lib.decode_layer_unrolled.restype = ctypes.c_int64
     return lib
 
 
@@ -107,9 +110,9 @@ def decode_layer(
         shape = (eps, num_heads, num_kv_heads, head_dim)
         q, k, v, s = decode_layer_ref(*weights, positions, cos_sin_cache, *shape)
         return q, k, v.contiguous(), s
-    lib = _kernel()
     hidden, q_size, kv_size = residual.shape[-1], num_heads * head_dim, num_kv_heads * head_dim
     inter = w_down.shape[-1]
+    lib = _kernel(native.unrolled_sizes(q_size, hidden, inter)) or _kernel()
     threads = torch.get_num_threads()
     new = functools.partial(torch.empty, dtype=torch.bfloat16)
     q, k, v, s = new(1, q_size), new(1, kv_size), new(1, kv_size), new(1, hidden)

@@ -13,6 +13,11 @@
 #include <immintrin.h>
 #endif
 
+// Row lengths with an unrolled product (see dot_fixed); none unless the build sets them.
+#ifndef CC_DOT_SIZES
+#define CC_DOT_SIZES
+#endif
+
 namespace {
 
 typedef uint16_t bf16;
@@ -22,7 +27,7 @@ inline __m512bh load(const bf16* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
 }
 
-inline float dot(const bf16* x, const bf16* w, int64_t K) {
+inline float dot_loop(const bf16* x, const bf16* w, int64_t K) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
   int64_t k = 0;
@@ -38,11 +43,47 @@ inline float dot(const bf16* x, const bf16* w, int64_t K) {
       _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
+// The same row with K known when compiling, fully unrolled: a loop whose exit
+// mispredicts once a row (~1 KB) streamed slower in minutes when memory is fast (NOTES
+// section 33). gemv.py builds this file per model with the head's row length
+// (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576)"`); other lengths loop.
+template <int64_t K>
+inline float dot_fixed(const bf16* x, const bf16* w) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+#pragma GCC unroll 256
+  for (int64_t k = 0; k < K / 32 * 32; k += 32)
+    acc[k / 32 % 4] = _mm512_dpbf16_ps(acc[k / 32 % 4], load(w + k, ~0u), load(x + k, ~0u));
+  if constexpr (K % 32 != 0) {
+    const __mmask32 mask = (1u << (K % 32)) - 1;
+    acc[0] = _mm512_dpbf16_ps(acc[0], load(w + K / 32 * 32, mask), load(x + K / 32 * 32, mask));
+  }
+  return _mm512_reduce_add_ps(
+      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+inline float dot(const bf16* x, const bf16* w, int64_t K) {
+#define CC_DOT(n) \
+  if (K == (n)) return dot_fixed<(n)>(x, w);
+  CC_DOT_SIZES
+#undef CC_DOT
+  return dot_loop(x, w, K);
+}
+
 #endif
 
 }  // namespace
 
 extern "C" {
+
+// Whether this build has an unrolled copy of the product for rows of length K.
+int64_t gemv_unrolled(int64_t K) {
+#define CC_DOT(n) \
+  if (K == (n)) return 1;
+  CC_DOT_SIZES
+#undef CC_DOT
+  return 0;
+}
 
 int64_t gemv_available() {
 #if defined(__AVX512BF16__)

@@ -26,14 +26,17 @@ def gemv_logits_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _kernel() -> ctypes.CDLL | None:
-    """`gemv.cpp` built for this CPU, or None where it has no AVX512-BF16."""
-    lib = native.load_op_kernel(Path(__file__).with_name("gemv.cpp"), "gemv_available")
+def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
+    """`gemv.cpp` built for this CPU (rows unrolled for `dot_sizes`), or None where it has
+    no AVX512-BF16."""
+    source = Path(__file__).with_name("gemv.cpp")
+    lib = native.load_op_kernel(source, "gemv_available", dot_sizes)
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gemv_bf16_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
     lib.gemv_bf16_f32.restype = None
+    lib.gemv_unrolled.argtypes, lib.gemv_unrolled.restype = [i64], i64
     return lib
 
 
@@ -57,7 +60,7 @@ def gemv_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (m, k), n = x.shape, w.shape[0]
     y = torch.empty((m, n), dtype=torch.float32)
     if m:
-        lib = _kernel()
+        lib = _kernel(native.unrolled_sizes(k)) or _kernel()
         args = (x, x.stride(0), w, w.stride(0), y, m, n, k, torch.get_num_threads())
         lib.gemv_bf16_f32(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
         if native.is_capturing():  # a CPU graph replays this call on the same buffers
