@@ -2,7 +2,7 @@
 `save_compiled_function`, `torch.compiler.load_compiled_function`): warm-start time and
 per-call host time, each phase in a fresh process.
 
-    python benchmarks/aot_compile_compare.py [--layers 4] [--calls 300]
+    python benchmarks/aot_compile_compare.py [--layers 4] [--calls 300] [--models host]
 
 Both variants compile the same random-weight Llama (the default model's shapes, fewer
 layers, bf16) and run it with dense attention:
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=576, help="warm-start model hidden size")
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--models", default="warm start,host",
+                        help="which rows per variant, comma-separated")  # fmt: skip
     parser.add_argument("--child", nargs=6, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     rows = []
     for variant in ("recipe", "recipe-whole", "aot"):
-        for label, layers, width in (("warm start", args.layers, args.width), ("host", 1, 64)):
+        models = (("warm start", args.layers, args.width), ("host", 1, 64))
+        for label, layers, width in (m for m in models if m[0] in args.models.split(",")):
             with tempfile.TemporaryDirectory() as cache:
                 common = (str(layers), str(width), cache, str(args.calls))
                 cold = _spawn(variant, "cold", *common)

@@ -99,9 +99,10 @@ def test_serve_smoke_reports_missing_peers(tiny_llama, tmp_path, capsys):
 
 
 def test_aot_compile_compare_smoke():
-    rows = _load("aot_compile_compare").main(["--layers", "1", "--width", "64", "--calls", "3"])
+    # The host row only: at this size the warm-start row would compile the same model again.
+    rows = _load("aot_compile_compare").main(["--models", "host", "--calls", "3"])
     assert [(r["variant"], r["model"]) for r in rows] == [
-        (v, m) for v in ("recipe", "recipe-whole", "aot") for m in ("warm start", "host")
+        (v, "host") for v in ("recipe", "recipe-whole", "aot")
     ]
     for r in rows:
         for phase in ("cold", "warm"):
