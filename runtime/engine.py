@@ -118,7 +118,7 @@ class LLMEngine:
         if not sampling:
             return []
         requests = [s.request for s in sampling]
-        if len(requests) != len(logits):  # no view otherwise: each torch call costs, cold
+        if len(requests) != len(plan.logits_rows):  # no torch call otherwise: each is cold
             logits = logits[: len(requests)]
         sampled = self.sampler(logits, requests, self.eos_token_ids)
         finished = []

@@ -44,6 +44,11 @@ class Request:
         # One list for prompt and output, appended in place: the block hashes and the
         # model runner read it every step.
         self.all_token_ids = list(self.prompt_token_ids)
+        p = self.sampling_params
+        # The sampler's argmax-only path: greedy, nothing changes the logits, no logprobs.
+        self.plain_greedy = (
+            p.greedy and not (p.has_logits_processing or p.min_tokens) and p.logprobs is None
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -117,6 +117,10 @@ class Sampler:
         requests: list[Request],
         eos_ids: frozenset[int] = frozenset(),
     ) -> SamplerOutput:
+        if all(r.plain_greedy for r in requests) and (view := self._cpu_view(logits)) is not None:
+            # The common decode step in as few calls as possible: each one is cold after
+            # the weights have streamed through the caches (NOTES section 34).
+            return SamplerOutput(view.argmax(axis=-1).tolist(), [None] * len(requests))
         params = [r.sampling_params for r in requests]
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -126,8 +130,6 @@ class Sampler:
             process_logits(logits, requests, eos_ids)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if logits.device.type == "cpu" and not random_rows:
-            # numpy's argmax is vectorized; torch's takes ~10x longer on a 49k vocabulary,
-            # which is a visible share of a batch-1 decode step. Ties: the first index.
             token_list = self._numpy(logits).argmax(axis=-1).tolist()
             return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
         tokens = logits.argmax(dim=-1)
@@ -138,11 +140,20 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
 
+    def _cpu_view(self, logits: torch.Tensor) -> Any:
+        """`_numpy(logits)` for fp32 CPU logits, None for any other."""
+        if self._numpy_view is not None and self._numpy_view[0] is logits:
+            return self._numpy_view[1]
+        if logits.device.type != "cpu" or logits.dtype != torch.float32:
+            return None
+        return self._numpy(logits)
+
     def _numpy(self, logits: torch.Tensor) -> Any:
         """`logits.numpy()`, kept while the same tensor comes back: a CPU graph returns
         its one output buffer every step, and after a batch-1 step has streamed the weights
         through the caches a fresh `numpy()` costs ~70 us (NOTES section 30). Holds the
-        last step's logits until the next step's arrive."""
+        last step's logits until the next step's arrive. numpy's argmax is vectorized;
+        torch's takes ~10x longer on a 49k vocabulary. Ties: the first index."""
         if self._numpy_view is None or self._numpy_view[0] is not logits:
             self._numpy_view = (logits, logits.numpy())
         return self._numpy_view[1]

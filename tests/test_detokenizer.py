@@ -17,13 +17,16 @@ def tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
-def _stream(tok, prompt_ids, ids, **kwargs):
+def _stream(tok, prompt_ids, ids, read_every_token=False, **kwargs):
     detok = IncrementalDetokenizer(tok, prompt_ids, **kwargs)
-    stop = None
+    stop, seen = None, ""
     for t in ids:
         stop = detok.append(t)
         if stop:
             break
+        if read_every_token:  # a stream: until a stop string cuts it, the text only grows
+            assert detok.text.startswith(seen)
+            seen = detok.text
     else:
         detok.flush()
     return detok.text, stop
@@ -43,16 +46,31 @@ def test_some_tokens_are_partial_characters(tokenizer):
 
 
 @settings(max_examples=30, deadline=None)
-@given(ids=st.lists(st.integers(3, 319), min_size=1, max_size=30))
-def test_any_token_sequence_streams_to_its_full_decode(tokenizer, ids):
-    streamed, _ = _stream(tokenizer, [5, 6, 7], ids)
+@given(ids=st.lists(st.integers(3, 319), min_size=1, max_size=30), read=st.booleans())
+def test_any_token_sequence_streams_to_its_full_decode(tokenizer, ids, read):
+    """Read once at the end (decoded then, in one window) or after every token (a
+    stream): the same text, the full decode's."""
+    streamed, _ = _stream(tokenizer, [5, 6, 7], ids, read_every_token=read)
     assert streamed == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_read_mid_stream_then_at_the_end(tokenizer, text):
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [])
+    for t in ids[: len(ids) // 2]:
+        detok.append(t)
+    half = detok.text  # decodes the pending tokens in one window
+    for t in ids[len(ids) // 2 :]:
+        detok.append(t)
+    detok.flush()
+    assert detok.text.startswith(half) and detok.text == tokenizer.decode(ids)
 
 
 def test_stop_string_across_token_boundaries(tokenizer):
     text = "naïve café — déjà vu"
     ids = tokenizer.encode(text)
-    out, stop = _stream(tokenizer, [], ids, stop=["é —", "zzz"])
+    out, stop = _stream(tokenizer, [], ids, read_every_token=True, stop=["é —", "zzz"])
     assert stop == "é —" and out == "naïve caf"
 
 
