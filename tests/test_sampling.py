@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
 from runtime.request import Request
@@ -79,6 +81,26 @@ def test_greedy_rows_ignore_noise():
     rows = [Request(str(i), [1], SamplingParams(temperature=0)) for i in range(2)]
     out = Sampler()(logits, rows)
     assert out.token_ids == [1, 0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 4), vocab=st.integers(2, 64))
+def test_plain_greedy_path_equals_the_general_one(seed, rows, vocab):
+    """Plain greedy rows take the argmax-only path: the tokens torch's argmax gives (ties:
+    the first index; small integer logits make ties common). A row with a logit bias and
+    logprobs leaves the path for the whole batch, and the others' tokens do not change."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (rows + 1, vocab), generator=gen).float()
+    plain = [Request(str(i), [1], SamplingParams(temperature=0)) for i in range(rows)]
+    assert all(r.plain_greedy for r in plain)
+    out = Sampler()(logits[:rows], plain)
+    assert out.token_ids == logits[:rows].argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * rows
+    biased = Request("b", [1], SamplingParams(temperature=0, logit_bias={0: 100.0}, logprobs=1))
+    assert not biased.plain_greedy
+    mixed = Sampler()(logits, plain + [biased])
+    assert mixed.token_ids == out.token_ids + [0]
+    assert mixed.logprobs[-1] is not None and mixed.logprobs[0] is None
 
 
 # -- through the engine ----------------------------------------------------------------
