@@ -155,10 +155,25 @@ class _KernelRecorder:
         return self.kernel(*args)
 
 
+_RECORDER_CODE = _KernelRecorder.__call__.__code__  # its kernel calls are recorded ones
+
+
 def _inductor_modules() -> list[Any]:
     from torch._inductor.codecache import PyCodeCache
 
     return list(getattr(PyCodeCache, "modules", []))
+
+
+# Globals of generated modules whose kernels a capture saw called without a recorder: the
+# modules Inductor loads outside PyCodeCache's list (with its caches disabled, as the pass
+# verifier and dumps run it). The next capture patches them too.
+_UNLISTED_NAMESPACES: list[dict[str, Any]] = []
+
+
+def _kernel_namespaces() -> list[dict[str, Any]]:
+    namespaces = [vars(m) for m in _inductor_modules()]
+    listed = {id(ns) for ns in namespaces}
+    return namespaces + [ns for ns in _UNLISTED_NAMESPACES if id(ns) not in listed]
 
 
 class _RefuseCompute(TorchDispatchMode):
@@ -191,20 +206,25 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
         raise RuntimeError("a CPU graph capture is already running")
     cap = _Capture()
     native.set_recorder(cap)
-    patched: list[tuple[Any, str, Any]] = []
+    patched: list[tuple[dict[str, Any], str, Any]] = []
     seen = [0]
+    unlisted: list[dict[str, Any]] = []
 
     def profile(frame, event, arg):
         if event == "c_call" and _is_inductor_kernel(arg):
             seen[0] += 1
+            if frame.f_code is not _RECORDER_CODE and all(
+                frame.f_globals is not ns for ns in unlisted
+            ):
+                unlisted.append(frame.f_globals)
 
-    known = _inductor_modules()
+    known = len(_inductor_modules())
     try:
-        for module in known:
-            for name, value in list(vars(module).items()):
+        for namespace in _kernel_namespaces():
+            for name, value in list(namespace.items()):
                 if _is_inductor_kernel(value):
-                    patched.append((module, name, value))
-                    setattr(module, name, _KernelRecorder(value, cap))
+                    patched.append((namespace, name, value))
+                    namespace[name] = _KernelRecorder(value, cap)
         sys.setprofile(profile)
         try:
             with _RefuseCompute(cap):
@@ -212,15 +232,18 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
         finally:
             sys.setprofile(None)
     finally:
-        for module, name, value in patched:
-            setattr(module, name, value)
+        for namespace, name, value in patched:
+            namespace[name] = value
         native.set_recorder(None)
+    _UNLISTED_NAMESPACES.extend(unlisted)
+    # Something compiled during the capture (its own ops ran, its kernel went unrecorded),
+    # or only unlisted modules' kernels went unrecorded: the next capture at this size
+    # patches them, already compiled.
+    transient = len(_inductor_modules()) > known
     if cap.failure is None and seen[0] != cap.kernel_calls:
         missed = seen[0] - cap.kernel_calls
         cap.fail(f"{missed} Inductor kernel call(s) came from modules that were not recorded")
-    # Something compiled during the capture (its own ops ran, its kernel went unrecorded):
-    # the next capture at this size runs it already compiled.
-    transient = len(_inductor_modules()) > len(known)
+        transient = transient or bool(unlisted)
     if cap.failure is None and not cap.calls:
         cap.fail("nothing was recorded")
     if cap.failure is not None:

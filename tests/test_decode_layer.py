@@ -110,8 +110,9 @@ def test_the_call_is_recorded_into_cpu_graphs(tmp_path):
 def test_the_engine_fuses_the_middle_piece_at_batch_1(tiny_llama, tmp_path):
     """A bf16 engine on a 2-layer model: the one middle piece's one-token code holds the op
     (the verifier ran it against the unfused piece on random inputs), the symbolic-size
-    code does not; without the verifier batch-1 decode replays a CPU graph, with the same
-    tokens as the verifier's engine, which runs piece by piece."""
+    code does not; with and without the verifier batch-1 decode replays a CPU graph (the
+    verifier's engine loads its kernels outside Inductor's module list: its first capture
+    finds them, the next records them), with the same tokens."""
     from runtime import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -124,6 +125,7 @@ def test_the_engine_fuses_the_middle_piece_at_batch_1(tiny_llama, tmp_path):
             stats = llm.llm_engine.runner.model.model._compiled_forward.backend.stats
             assert stats.pass_matches_by_variant["size_1"]["fuse_decode_layer"] == 1
             assert stats.pass_matches_by_variant["general"].get("fuse_decode_layer", 0) == 0
+        assert isinstance(llm.llm_engine.runner.cpu_graphs[1], cpu_graph.CpuGraph)
     graph = llm.llm_engine.runner.cpu_graphs[1]
     assert isinstance(graph, cpu_graph.CpuGraph)
     address = native.function_address(op._kernel().decode_layer_bf16)
