@@ -122,10 +122,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         variant, phase, layers, width, cache, calls = args.child
         print(json.dumps(child(variant, phase, int(layers), int(width), cache, int(calls))))
         return []
+    models = {"warm start": (args.layers, args.width), "host": (1, 64)}
+    chosen = args.models.split(",")
+    if unknown := [m for m in chosen if m not in models]:
+        parser.error(f"--models: unknown {unknown}; choose from {list(models)}")
     rows = []
     for variant in ("recipe", "recipe-whole", "aot"):
-        models = (("warm start", args.layers, args.width), ("host", 1, 64))
-        for label, layers, width in (m for m in models if m[0] in args.models.split(",")):
+        for label in chosen:
+            layers, width = models[label]
             with tempfile.TemporaryDirectory() as cache:
                 common = (str(layers), str(width), cache, str(args.calls))
                 cold = _spawn(variant, "cold", *common)

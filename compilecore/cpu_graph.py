@@ -171,9 +171,8 @@ _UNLISTED_NAMESPACES: list[dict[str, Any]] = []
 
 
 def _kernel_namespaces() -> list[dict[str, Any]]:
-    namespaces = [vars(m) for m in _inductor_modules()]
-    listed = {id(ns) for ns in namespaces}
-    return namespaces + [ns for ns in _UNLISTED_NAMESPACES if id(ns) not in listed]
+    namespaces = [vars(m) for m in _inductor_modules()] + _UNLISTED_NAMESPACES
+    return list({id(ns): ns for ns in namespaces}.values())  # each once
 
 
 class _RefuseCompute(TorchDispatchMode):

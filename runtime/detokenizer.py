@@ -67,24 +67,18 @@ class IncrementalDetokenizer:
             return None  # decoded when the text is read
         return self._catch_up(check_stop)
 
-    def _catch_up(self, check_stop: bool) -> str | None:
-        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return None  # an incomplete character: wait for the next token
-        delta = full[len(prefix) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._extend(delta, check_stop)
-
     def flush(self, check_stop: bool = True) -> str | None:
         """At the end of generation: emit what was held back (an incomplete character
         decodes to U+FFFD, as a full decode would show it)."""
+        return self._catch_up(check_stop, final=True)
+
+    def _catch_up(self, check_stop: bool, final: bool = False) -> str | None:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        if len(full) <= len(prefix):
-            return None
-        return self._extend(full[len(prefix) :], check_stop)
+        if not final and (len(full) <= len(prefix) or full.endswith("\ufffd")):
+            return None  # nothing yet, or an incomplete character: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._extend(full[len(prefix) :], check_stop) if len(full) > len(prefix) else None
 
     def _extend(self, delta: str, check_stop: bool) -> str | None:
         start = len(self._text)

@@ -141,10 +141,10 @@ class Sampler:
         return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
 
     def _cpu_view(self, logits: torch.Tensor) -> Any:
-        """`_numpy(logits)` for fp32 CPU logits, None for any other."""
-        if self._numpy_view is not None and self._numpy_view[0] is logits:
-            return self._numpy_view[1]
-        if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        """`_numpy(logits)` for fp32 CPU logits, None for any other (the cached view's
+        tensor was checked when it was cached)."""
+        cached = self._numpy_view is not None and self._numpy_view[0] is logits
+        if not cached and (logits.device.type != "cpu" or logits.dtype != torch.float32):
             return None
         return self._numpy(logits)
 
