@@ -2,7 +2,9 @@
 run: llama.cpp through llama-cpp-python on a GGUF of the same weights (built by
 benchmarks/setup_peers.sh), HF transformers eager and (with --hf-compile) static cache +
 torch.compile with freezing, and this engine eager and compiled, with the CPU's read
-bandwidth measured in the same run as the ceiling.
+bandwidth measured in the same run as the ceiling, and each of compilecore's and
+llama.cpp's runs also against the bandwidth measured just before and after it (the
+machine's memory swings by up to 2x within a minute).
 
 Every engine decodes `--tokens` tokens greedily after the same chat prompt (the same token
 ids), without stopping at EOS, and is timed the same way: tokens/s between the first and
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +26,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
-from common import RESULTS, decode_speed, read_bandwidth, save_results, weight_bytes  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    PairedBandwidth,
+    decode_once,
+    decode_speed,
+    read_bandwidth,
+    save_results,
+    weight_bytes,
+)
 
 from runtime import LLM  # noqa: E402
 
@@ -80,6 +91,37 @@ def hf_decode_speed(
     return (len(t) - 1) / (t[-1] - t[0])
 
 
+def against_llama_cpp(
+    llm: LLM, prompt: list[int], gguf: Path, weights: int, args: argparse.Namespace
+) -> tuple[float, float, dict, list[float]]:
+    """compilecore and llama.cpp in alternating rounds (on a machine whose speed swings by
+    the minute, one run each minutes apart compares two different machines), every run
+    paired with the read bandwidth just around it: our best round's median tok/s, our
+    median share of the paired bandwidth, llama.cpp's row, and the ceiling measurements
+    taken between rounds."""
+    threads = torch.get_num_threads()
+    paired = PairedBandwidth()
+    ours, theirs, shares, their_shares, bandwidths = 0.0, 0.0, [], [], []
+    for _ in range(max(1, args.rounds)):
+        decode_once(llm, prompt, args.tokens)  # warm-up
+        speeds = []
+        for _ in range(args.repeats):
+            speed, share = paired.around(lambda: decode_once(llm, prompt, args.tokens), weights)
+            speeds.append(speed)
+            shares.append(share)
+        ours = max(ours, statistics.median(speeds))
+        speed, share = paired.around(
+            lambda: peers.llama_cpp_decode(gguf, prompt, args.tokens, threads), weights
+        )
+        theirs = max(theirs, speed)
+        their_shares.append(share)
+        bandwidths.append(read_bandwidth())
+    kind = gguf.stem.rsplit("-", 1)[-1].upper()
+    theirs_row = {"engine": f"llama.cpp ({kind})", "tok_s": theirs}
+    theirs_row["of_paired_bw"] = statistics.median(their_shares)
+    return ours, statistics.median(shares), theirs_row, bandwidths
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None)
@@ -109,19 +151,13 @@ def main(argv: list[str] | None = None) -> Path:
                   kv_cache_memory=64 << 20, **kwargs)  # fmt: skip
         prompt = chat_prompt(llm)
         weights = weight_bytes(llm)
+        pairing = {}
         if name == "compilecore compiled" and not lacking:
-            # The peer that matters, interleaved: on a machine whose speed swings by the
-            # minute, one run each minutes apart compares two different machines.
-            ours, theirs = 0.0, 0.0
-            for _ in range(max(1, args.rounds)):
-                ours = max(ours, decode_speed(llm, prompt, args.tokens, args.repeats))
-                theirs = max(theirs, peers.llama_cpp_decode(gguf, prompt, args.tokens, threads))
-                bandwidths.append(read_bandwidth())
-            kind = gguf.stem.rsplit("-", 1)[-1].upper()
-            llama_row = {"engine": f"llama.cpp ({kind})", "tok_s": theirs}
+            ours, share, llama_row, taken = against_llama_cpp(llm, prompt, gguf, weights, args)
+            pairing, bandwidths = {"of_paired_bw": share}, bandwidths + taken
         else:
             ours = decode_speed(llm, prompt, args.tokens, args.repeats)
-        rows.append({"engine": name, "tok_s": ours})
+        rows.append({"engine": name, "tok_s": ours, **pairing})
         model_dir = llm.engine_config.model_config.model
         dtype = llm.engine_config.model_config.dtype
         del llm
@@ -148,9 +184,10 @@ def main(argv: list[str] | None = None) -> Path:
         f"batch-1 decode, {args.tokens} tokens after a chat prompt, {args.dtype}, {threads} "
         f"threads; read bandwidth {ceiling_gbs:.1f} GB/s (best of {len(bandwidths)} measurements "
         f"through the run, lowest {min(bandwidths):.1f}), weights {weights / 1e6:.0f} MB per "
-        f"token, ceiling {ceiling:.0f} tok/s"
+        f"token, ceiling {ceiling:.0f} tok/s; of_paired_bw: median over runs of a run's GB/s "
+        f"against sums just before and after it"
     )
-    columns = ["engine", "tok_s", "vs_llama_cpp", "GB_s", "of_ceiling"]
+    columns = ["engine", "tok_s", "vs_llama_cpp", "GB_s", "of_ceiling", "of_paired_bw"]
     return save_results("latency", rows, columns, title, Path(args.out), chart_key="tok_s")
 
 

@@ -20,15 +20,18 @@ PROMPT_37 = list(range(100, 137))  # a 37-token prompt
 RESULTS = Path(__file__).parent / "results"
 
 
+def decode_once(llm: LLM, prompt: list[int], tokens: int) -> float:
+    """One batch-1 greedy decode of `tokens` tokens (EOS ignored): tokens/s between the
+    first and the last generated token."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return llm.generate([prompt], params, use_tqdm=False)[0].metrics.decode_tokens_per_s
+
+
 def decode_speed(llm: LLM, prompt: list[int], tokens: int, repeats: int) -> float:
     """Median batch-1 decode tokens/s over `repeats` runs, after one warm-up run."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)
-    speeds = []
-    for _ in range(repeats):
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        speeds.append(out.metrics.decode_tokens_per_s)
-    return sorted(speeds)[len(speeds) // 2]
+    decode_once(llm, prompt, tokens)
+    speeds = sorted(decode_once(llm, prompt, tokens) for _ in range(repeats))
+    return speeds[len(speeds) // 2]
 
 
 def _sum_buffer(nbytes: int, dtype: torch.dtype, device: str, huge: bool) -> torch.Tensor:
@@ -61,6 +64,35 @@ def read_bandwidth(device: str = "cpu", nbytes: int = 512 << 20, repeats: int = 
             best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
         del x
     return best
+
+
+class PairedBandwidth:
+    """The read bandwidth right around one timed run. The memory of these shared machines
+    swings by up to 2x within a minute (NOTES section 35), so a run's GB/s over the best
+    sum of the whole run says more about the minute it ran in than about the engine; here
+    each run is compared with sums over a written huge-page buffer taken just before and
+    just after it."""
+
+    def __init__(self, nbytes: int = 512 << 20) -> None:
+        self.nbytes = nbytes
+        self.buffer = _sum_buffer(nbytes, torch.float32, "cpu", True)
+        self.buffer.sum()
+
+    def measure(self, seconds: float = 0.1) -> float:
+        """Mean GB/s of sums over the buffer for at least `seconds` (at least three)."""
+        start, count = time.perf_counter(), 0
+        while count < 3 or time.perf_counter() - start < seconds:
+            self.buffer.sum()
+            count += 1
+        return count * self.nbytes / (time.perf_counter() - start) / 1e9
+
+    def around(self, run: Callable[[], float], bytes_per_unit: float) -> tuple[float, float]:
+        """`run()`'s units/s, and its GB/s as a share of the mean of the sums before and
+        after it."""
+        before = self.measure()
+        speed = run()
+        after = self.measure()
+        return speed, speed * bytes_per_unit / 1e9 / ((before + after) / 2)
 
 
 def copy_bandwidth(device: str = "cpu", nbytes: int = 512 << 20) -> float:

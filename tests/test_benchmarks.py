@@ -54,6 +54,23 @@ def test_latency_smoke(tiny_llama, tmp_path):
     assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in rows)
 
 
+def test_paired_bandwidth_compares_a_run_with_sums_just_around_it():
+    common = _load("common")
+    paired = common.PairedBandwidth(nbytes=16 << 20)
+    assert paired.measure(seconds=0.0) > 0  # real sums over written memory
+    calls = []
+    speed, share = paired.around(lambda: calls.append(1) or 2.5, bytes_per_unit=4e9)
+    assert (speed, calls) == (2.5, [1]) and share > 0
+
+    class Scripted(common.PairedBandwidth):  # the arithmetic, with known sums
+        def measure(self, seconds: float = 0.1) -> float:
+            return self.sums.pop(0)
+
+    scripted = Scripted(nbytes=1 << 20)
+    scripted.sums = [10.0, 30.0]  # GB/s before and after the run
+    assert scripted.around(lambda: 2.5, bytes_per_unit=4e9) == (2.5, 0.5)  # 10 GB/s of 20
+
+
 def test_throughput_smoke_through_the_cli(tiny_llama, tmp_path):
     extra = ["--requests", "4", "--min-len", "3", "--max-len", "6", "--hf-batch", "2"]
     res = subprocess.run(
