@@ -16,6 +16,7 @@ the last generated token, (N - 1) / (t_N - t_1).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
@@ -29,7 +30,6 @@ import peers  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
     PairedBandwidth,
-    decode_once,
     decode_speed,
     read_bandwidth,
     save_results,
@@ -101,20 +101,13 @@ def against_llama_cpp(
     taken between rounds."""
     threads = torch.get_num_threads()
     paired = PairedBandwidth()
-    ours, theirs, shares, their_shares, bandwidths = 0.0, 0.0, [], [], []
+    shares, their_shares, bandwidths = [], [], []
+    ours_timed = functools.partial(paired.around, bytes_per_unit=weights, shares=shares)
+    theirs_run = functools.partial(peers.llama_cpp_decode, gguf, prompt, args.tokens, threads)
+    ours = theirs = 0.0
     for _ in range(max(1, args.rounds)):
-        decode_once(llm, prompt, args.tokens)  # warm-up
-        speeds = []
-        for _ in range(args.repeats):
-            speed, share = paired.around(lambda: decode_once(llm, prompt, args.tokens), weights)
-            speeds.append(speed)
-            shares.append(share)
-        ours = max(ours, statistics.median(speeds))
-        speed, share = paired.around(
-            lambda: peers.llama_cpp_decode(gguf, prompt, args.tokens, threads), weights
-        )
-        theirs = max(theirs, speed)
-        their_shares.append(share)
+        ours = max(ours, decode_speed(llm, prompt, args.tokens, args.repeats, ours_timed))
+        theirs = max(theirs, paired.around(theirs_run, weights, their_shares))
         bandwidths.append(read_bandwidth())
     kind = gguf.stem.rsplit("-", 1)[-1].upper()
     theirs_row = {"engine": f"llama.cpp ({kind})", "tok_s": theirs}

@@ -27,10 +27,17 @@ def decode_once(llm: LLM, prompt: list[int], tokens: int) -> float:
     return llm.generate([prompt], params, use_tqdm=False)[0].metrics.decode_tokens_per_s
 
 
-def decode_speed(llm: LLM, prompt: list[int], tokens: int, repeats: int) -> float:
-    """Median batch-1 decode tokens/s over `repeats` runs, after one warm-up run."""
+def decode_speed(
+    llm: LLM,
+    prompt: list[int],
+    tokens: int,
+    repeats: int,
+    timed: Callable[[Callable[[], float]], float] = lambda run: run(),
+) -> float:
+    """Median batch-1 decode tokens/s over `repeats` runs, after one warm-up run; `timed`
+    runs each measured run (`PairedBandwidth.around`, to pair it with the bandwidth)."""
     decode_once(llm, prompt, tokens)
-    speeds = sorted(decode_once(llm, prompt, tokens) for _ in range(repeats))
+    speeds = sorted(timed(lambda: decode_once(llm, prompt, tokens)) for _ in range(repeats))
     return speeds[len(speeds) // 2]
 
 
@@ -86,13 +93,14 @@ class PairedBandwidth:
             count += 1
         return count * self.nbytes / (time.perf_counter() - start) / 1e9
 
-    def around(self, run: Callable[[], float], bytes_per_unit: float) -> tuple[float, float]:
-        """`run()`'s units/s, and its GB/s as a share of the mean of the sums before and
-        after it."""
+    def around(self, run: Callable[[], float], bytes_per_unit: float, shares: list[float]) -> float:
+        """`run()`'s units/s; appends its GB/s as a share of the mean of the sums before
+        and after it to `shares`."""
         before = self.measure()
         speed = run()
         after = self.measure()
-        return speed, speed * bytes_per_unit / 1e9 / ((before + after) / 2)
+        shares.append(speed * bytes_per_unit / 1e9 / ((before + after) / 2))
+        return speed
 
 
 def copy_bandwidth(device: str = "cpu", nbytes: int = 512 << 20) -> float:

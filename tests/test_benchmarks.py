@@ -58,9 +58,9 @@ def test_paired_bandwidth_compares_a_run_with_sums_just_around_it():
     common = _load("common")
     paired = common.PairedBandwidth(nbytes=16 << 20)
     assert paired.measure(seconds=0.0) > 0  # real sums over written memory
-    calls = []
-    speed, share = paired.around(lambda: calls.append(1) or 2.5, bytes_per_unit=4e9)
-    assert (speed, calls) == (2.5, [1]) and share > 0
+    calls, shares = [], []
+    speed = paired.around(lambda: calls.append(1) or 2.5, bytes_per_unit=4e9, shares=shares)
+    assert (speed, calls) == (2.5, [1]) and len(shares) == 1 and shares[0] > 0
 
     class Scripted(common.PairedBandwidth):  # the arithmetic, with known sums
         def measure(self, seconds: float = 0.1) -> float:
@@ -68,7 +68,9 @@ def test_paired_bandwidth_compares_a_run_with_sums_just_around_it():
 
     scripted = Scripted(nbytes=1 << 20)
     scripted.sums = [10.0, 30.0]  # GB/s before and after the run
-    assert scripted.around(lambda: 2.5, bytes_per_unit=4e9) == (2.5, 0.5)  # 10 GB/s of 20
+    shares = []
+    assert scripted.around(lambda: 2.5, bytes_per_unit=4e9, shares=shares) == 2.5
+    assert shares == [0.5]  # 10 GB/s of 20
 
 
 def test_throughput_smoke_through_the_cli(tiny_llama, tmp_path):
