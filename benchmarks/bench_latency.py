@@ -6,11 +6,12 @@ bandwidth measured in the same run as the ceiling, and each of compilecore's and
 llama.cpp's runs also against the bandwidth measured just before and after it (the
 machine's memory swings by up to 2x within a minute).
 
-Every engine decodes `--tokens` tokens greedily after the same chat prompt (the same token
-ids), without stopping at EOS, and is timed the same way: tokens/s between the first and
-the last generated token, (N - 1) / (t_N - t_1).
+Every engine decodes `--tokens` tokens greedily (with `--sampled`: temperature 0.8, top-p
+0.95, vLLM's quickstart settings) after the same chat prompt (the same token ids), without
+stopping at EOS, and is timed the same way: tokens/s between the first and the last
+generated token, (N - 1) / (t_N - t_1).
 
-    python benchmarks/bench_latency.py --tokens 128 --hf-compile
+    python benchmarks/bench_latency.py --tokens 128 --hf-compile [--sampled]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 from common import (  # noqa: E402
     RESULTS,
+    SAMPLED,
     PairedBandwidth,
     decode_speed,
     read_bandwidth,
@@ -67,13 +69,20 @@ class _TokenTimes:
 
 
 def hf_decode_speed(
-    model_dir: str, dtype: torch.dtype, prompt: list[int], tokens: int, compile_: bool
+    model_dir: str,
+    dtype: torch.dtype,
+    prompt: list[int],
+    tokens: int,
+    compile_: bool,
+    sampling: dict | None = None,
 ) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
     kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    if sampling:  # HF's top-k (50 by default) off, like every engine's
+        kwargs.update(do_sample=True, top_k=0, **sampling)
     if compile_:  # HF's best CPU setting: static cache, compiled, weights frozen
         import torch._inductor.config as inductor_config
 
@@ -103,10 +112,13 @@ def against_llama_cpp(
     paired = PairedBandwidth()
     shares, their_shares, bandwidths = [], [], []
     ours_timed = functools.partial(paired.around, bytes_per_unit=weights, shares=shares)
-    theirs_run = functools.partial(peers.llama_cpp_decode, gguf, prompt, args.tokens, threads)
+    theirs_run = functools.partial(
+        peers.llama_cpp_decode, gguf, prompt, args.tokens, threads, args.sampling
+    )
     ours = theirs = 0.0
     for _ in range(max(1, args.rounds)):
-        ours = max(ours, decode_speed(llm, prompt, args.tokens, args.repeats, ours_timed))
+        speed = decode_speed(llm, prompt, args.tokens, args.repeats, ours_timed, args.sampling)
+        ours = max(ours, speed)
         theirs = max(theirs, paired.around(theirs_run, weights, their_shares))
         bandwidths.append(read_bandwidth())
     kind = gguf.stem.rsplit("-", 1)[-1].upper()
@@ -128,8 +140,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--hf-compile", action="store_true", help="also HF static+compile")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF peers")
     parser.add_argument("--gguf", default=None, help="llama.cpp's GGUF (default: the peers')")
+    parser.add_argument("--sampled", action="store_true",
+                        help=f"sample ({SAMPLED}) instead of greedy, in every engine")  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
+    args.sampling = SAMPLED if args.sampled else None
     threads = torch.get_num_threads()
     # Measured before, between and after the engines (and each round); the ceiling is the
     # largest.
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> Path:
             ours, share, llama_row, taken = against_llama_cpp(llm, prompt, gguf, weights, args)
             pairing, bandwidths = {"of_paired_bw": share}, bandwidths + taken
         else:
-            ours = decode_speed(llm, prompt, args.tokens, args.repeats)
+            ours = decode_speed(llm, prompt, args.tokens, args.repeats, sampling=args.sampling)
         rows.append({"engine": name, "tok_s": ours, **pairing})
         model_dir = llm.engine_config.model_config.model
         dtype = llm.engine_config.model_config.dtype
@@ -162,7 +177,7 @@ def main(argv: list[str] | None = None) -> Path:
     if not args.no_hf:
         hf = [("HF eager", False)] + [("HF static+compile+freezing", True)] * args.hf_compile
         for name, compiled in hf:
-            speed = hf_decode_speed(model_dir, dtype, prompt, args.tokens, compiled)
+            speed = hf_decode_speed(model_dir, dtype, prompt, args.tokens, compiled, args.sampling)
             rows.append({"engine": name, "tok_s": speed})
     bandwidths.append(read_bandwidth())
     ceiling_gbs = max(bandwidths)
@@ -173,15 +188,18 @@ def main(argv: list[str] | None = None) -> Path:
         r["of_ceiling"] = r["tok_s"] / ceiling
         if reference:
             r["vs_llama_cpp"] = r["tok_s"] / reference
+    drawn = f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())})"
     title = (
-        f"batch-1 decode, {args.tokens} tokens after a chat prompt, {args.dtype}, {threads} "
+        f"batch-1 decode, {args.tokens} tokens after a chat prompt, "
+        f"{drawn if args.sampled else 'greedy'}, {args.dtype}, {threads} "
         f"threads; read bandwidth {ceiling_gbs:.1f} GB/s (best of {len(bandwidths)} measurements "
         f"through the run, lowest {min(bandwidths):.1f}), weights {weights / 1e6:.0f} MB per "
         f"token, ceiling {ceiling:.0f} tok/s; of_paired_bw: median over runs of a run's GB/s "
         f"against sums just before and after it"
     )
     columns = ["engine", "tok_s", "vs_llama_cpp", "GB_s", "of_ceiling", "of_paired_bw"]
-    return save_results("latency", rows, columns, title, Path(args.out), chart_key="tok_s")
+    name = "latency_sampled" if args.sampled else "latency"
+    return save_results(name, rows, columns, title, Path(args.out), chart_key="tok_s")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import json
@@ -20,10 +21,17 @@ PROMPT_37 = list(range(100, 137))  # a 37-token prompt
 RESULTS = Path(__file__).parent / "results"
 
 
-def decode_once(llm: LLM, prompt: list[int], tokens: int) -> float:
-    """One batch-1 greedy decode of `tokens` tokens (EOS ignored): tokens/s between the
-    first and the last generated token."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+# vLLM's quickstart sampling, which `--sampled` decodes with in every engine (llama.cpp and
+# HF with their top-k and min-p filters off, so all draw from the same nucleus).
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+
+
+def decode_once(
+    llm: LLM, prompt: list[int], tokens: int, sampling: dict[str, float] | None = None
+) -> float:
+    """One batch-1 decode of `tokens` tokens (EOS ignored), greedy or with `sampling`'s
+    SamplingParams: tokens/s between the first and the last generated token."""
+    params = SamplingParams(**(sampling or {"temperature": 0}), max_tokens=tokens, ignore_eos=True)
     return llm.generate([prompt], params, use_tqdm=False)[0].metrics.decode_tokens_per_s
 
 
@@ -33,11 +41,13 @@ def decode_speed(
     tokens: int,
     repeats: int,
     timed: Callable[[Callable[[], float]], float] = lambda run: run(),
+    sampling: dict[str, float] | None = None,
 ) -> float:
     """Median batch-1 decode tokens/s over `repeats` runs, after one warm-up run; `timed`
     runs each measured run (`PairedBandwidth.around`, to pair it with the bandwidth)."""
-    decode_once(llm, prompt, tokens)
-    speeds = sorted(timed(lambda: decode_once(llm, prompt, tokens)) for _ in range(repeats))
+    run = functools.partial(decode_once, llm, prompt, tokens, sampling)
+    run()
+    speeds = sorted(timed(run) for _ in range(repeats))
     return speeds[len(speeds) // 2]
 
 

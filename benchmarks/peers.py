@@ -51,27 +51,37 @@ def report_missing(what: list[str]) -> None:
         print(f"[peers] not measured, missing: {', '.join(what)} (build them with: {SETUP})")
 
 
-def llama_cpp_decode(path: Path, prompt: list[int], tokens: int, threads: int) -> float:
+def llama_cpp_decode(
+    path: Path, prompt: list[int], tokens: int, threads: int, sampling: dict | None = None
+) -> float:
     """llama.cpp's batch-1 decode, tokens/s between the first and the last generated
-    token (the timing every peer gets). Greedy; EOS does not stop `generate`. In a
-    process of its own: after ggml's threads have run in a process, torch's OpenMP team
-    in it decodes ~20% slower (127-132 -> 100-102 tok/s, measured), so in-process rounds
-    would handicap whichever engine runs second."""
-    args = json.dumps([str(path), prompt, tokens, threads])
+    token (the timing every peer gets). Greedy, or with `sampling`'s temperature and top-p
+    (llama.cpp's top-k and min-p off); EOS does not stop `generate`. In a process of its
+    own: after ggml's threads have run in a process, torch's OpenMP team in it decodes ~20%
+    slower (127-132 -> 100-102 tok/s, measured), so in-process rounds would handicap
+    whichever engine runs second."""
+    args = json.dumps([str(path), prompt, tokens, threads, sampling])
     out = subprocess.run([sys.executable, __file__, args], capture_output=True, text=True,
                          check=True).stdout  # fmt: skip
     return float(out.strip().splitlines()[-1])
 
 
-def _llama_cpp_decode_here(path: Path, prompt: list[int], tokens: int, threads: int) -> float:
+def _llama_cpp_decode_here(
+    path: Path, prompt: list[int], tokens: int, threads: int, sampling: dict | None
+) -> float:
     from llama_cpp import Llama
+
+    draw = {"temp": 0.0, "top_k": 1}
+    if sampling:
+        draw = {"temp": sampling["temperature"], "top_p": sampling["top_p"], "top_k": 0}
+        draw["min_p"] = 0.0
 
     llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
     try:
         speeds = []
         for _ in range(2):  # the first run warms up
             times = []
-            for _token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            for _token in llm.generate(prompt, reset=True, **draw):
                 times.append(time.perf_counter())
                 if len(times) == tokens:
                     break
@@ -82,5 +92,5 @@ def _llama_cpp_decode_here(path: Path, prompt: list[int], tokens: int, threads: 
 
 
 if __name__ == "__main__":  # llama_cpp_decode's child process
-    path, prompt, tokens, threads = json.loads(sys.argv[1])
-    print(_llama_cpp_decode_here(Path(path), prompt, tokens, threads))
+    path, prompt, tokens, threads, sampling = json.loads(sys.argv[1])
+    print(_llama_cpp_decode_here(Path(path), prompt, tokens, threads, sampling))

@@ -45,10 +45,12 @@ class Request:
         # model runner read it every step.
         self.all_token_ids = list(self.prompt_token_ids)
         p = self.sampling_params
-        # The sampler's argmax-only path: greedy, nothing changes the logits, no logprobs.
-        self.plain_greedy = (
-            p.greedy and not (p.has_logits_processing or p.min_tokens) and p.logprobs is None
-        )
+        # The sampler's short paths: nothing changes the logits and no logprobs; greedy.
+        self.plain = not (p.has_logits_processing or p.min_tokens) and p.logprobs is None
+        self.plain_greedy = p.greedy and self.plain
+        # Uniform draws from this request's generator, made in batches by the sampler and
+        # taken from the end, one a sampled token.
+        self.uniforms: list[float] = []
 
     @property
     def num_tokens(self) -> int:

@@ -13,8 +13,10 @@ Per row, on fp32 logits (`process_logits`), each step only where the request ask
 Greedy rows then take the argmax. Sampling rows are divided by their temperature, then
 (`filter_logits`) min-p drops tokens below `min_p` x the top probability, top-k keeps the k
 largest, and top-p keeps the smallest prefix of the distribution renormalized after top-k
-whose mass reaches `top_p`; the token is drawn by the exponential race (argmax of p / q,
-q ~ Exp(1)), which equals sampling from p. A request with a seed draws its noise from its
+whose mass reaches `top_p`. On CPU each row is filtered and drawn in numpy (`sample_row`:
+the same kept set found without sorting the vocabulary, then one uniform through the
+inverse CDF); elsewhere the token is drawn by the exponential race (argmax of p / q,
+q ~ Exp(1)). Both equal sampling from p. A request with a seed draws its randomness from its
 own generator, on the logits' device, so its tokens do not depend on the rest of the batch.
 
 Logprobs are those of the raw distribution, before any of the above (vLLM's default
@@ -26,12 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -100,11 +104,96 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
+# Candidate thresholds for top-k and top-p, as weights relative to the top token's: the
+# tokens at or above one are all that precede the rest in sorted order, so when they hold
+# the top-k or the top-p mass, sorting them alone gives the kept set exactly. A whole-row
+# sort of a 49k vocabulary takes ~3 ms on this CPU; a threshold pass ~20 us. A model's
+# logits span tens of units, so at low temperatures the top 50 can reach down to 1e-25.
+_THRESHOLDS = (1e-2, 1e-4, 1e-7, 1e-12, 1e-20, 1e-30)
+_BLOCK = 1024  # inverse CDF over a whole row: per-block sums first, then one block's cumsum
+
+
+def sample_row(
+    logits: np.ndarray, params: SamplingParams, u: float, out: np.ndarray | None = None
+) -> int:
+    """One token from a row of fp32 logits: the uniform draw `u` in [0, 1) picks among the
+    tokens `kept_weights` keeps by the inverse CDF of their renormalized probabilities."""
+    top = logits.max()
+    if not np.isfinite(top):  # +inf or nan logits: no distribution to draw from
+        return int(logits.argmax())
+    ids, weights = kept_weights(logits, params, out)
+    token = _draw(weights, u)
+    return token if ids is None else int(ids[token])
+
+
+def kept_weights(
+    logits: np.ndarray, params: SamplingParams, out: np.ndarray | None = None
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """The tokens temperature, min-p, top-k and top-p keep (those `filter_logits` keeps)
+    and their unnormalized probabilities: (ids, weights), or (None, a weight per token)
+    where no filter applies. `out`: a buffer like `logits` for the weights (a fresh one
+    each step costs more than the math, cold)."""
+    weights = np.subtract(logits, logits.max(), out=np.empty_like(logits) if out is None else out)
+    weights *= np.float32(1.0 / params.temperature)
+    np.exp(weights, out=weights)  # the top token's weight is 1
+    if params.min_p > 0:
+        weights[weights < params.min_p] = 0.0  # probability below min_p x the top one's
+    if not (params.uses_top_k or params.top_p < 1.0):
+        return None, weights
+    ids = _sorted_candidates(weights, params)
+    kept = weights[ids].astype(np.float64)
+    if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p, the first always
+        total = kept.sum() if params.uses_top_k else weights.sum(dtype=np.float64)
+        before = np.cumsum(kept) - kept
+        n = max(1, int(np.searchsorted(before, params.top_p * total)))
+        ids, kept = ids[:n], kept[:n]
+    return ids, kept
+
+
+def _sorted_candidates(weights: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Ids of the top-k tokens of nonzero weight, heaviest first, or, for top-p alone, of a
+    heaviest-first prefix that holds at least top_p of the mass."""
+    k = params.top_k if params.uses_top_k else 0
+    need = params.top_p * weights.sum(dtype=np.float64)
+    for threshold in _THRESHOLDS:
+        ids = np.flatnonzero(weights >= threshold)
+        if (len(ids) >= k) if k else (weights[ids].sum(dtype=np.float64) >= need):
+            break
+    else:
+        ids = np.flatnonzero(weights)  # tokens of weight 0 are never drawn
+        if k and len(ids) > k:
+            ids = ids[np.argpartition(-weights[ids], k - 1)[:k]]
+    ids = ids[np.argsort(-weights[ids], kind="stable")]
+    return ids[:k] if k else ids
+
+
+def _draw(weights: np.ndarray, u: float) -> int:
+    """Index i with probability weights[i] / weights.sum(), by the inverse CDF of `u`."""
+    if len(weights) <= 4 * _BLOCK:
+        return _search(weights, u * weights.sum(dtype=np.float64))[0]
+    starts = np.arange(0, len(weights), _BLOCK)
+    sums = np.add.reduceat(weights, starts, dtype=np.float64)
+    b, rest = _search(sums, u * sums.sum())
+    return int(starts[b]) + _search(weights[starts[b] : starts[b] + _BLOCK], rest)[0]
+
+
+def _search(weights: np.ndarray, target: float) -> tuple[int, float]:
+    """The first i whose running sum passes `target` (the last nonzero one where rounding
+    left `target` at the very end), and `target` less the sum before i. A zero weight is
+    never the answer: its running sum equals the one before it."""
+    ends = np.cumsum(weights, dtype=np.float64)
+    i = int(np.searchsorted(ends, target, side="right"))
+    if i == len(ends):
+        i = int(np.flatnonzero(weights)[-1])
+    return i, target - (ends[i - 1] if i else 0.0)
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}
         self._numpy_view: tuple[torch.Tensor, Any] | None = None
+        self._scratch: np.ndarray | None = None
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self.generators:
@@ -117,10 +206,18 @@ class Sampler:
         requests: list[Request],
         eos_ids: frozenset[int] = frozenset(),
     ) -> SamplerOutput:
-        if all(r.plain_greedy for r in requests) and (view := self._cpu_view(logits)) is not None:
+        if all(r.plain for r in requests) and (view := self._cpu_view(logits)) is not None:
             # The common decode step in as few calls as possible: each one is cold after
             # the weights have streamed through the caches (NOTES section 34).
-            return SamplerOutput(view.argmax(axis=-1).tolist(), [None] * len(requests))
+            if all(r.plain_greedy for r in requests):
+                return SamplerOutput(view.argmax(axis=-1).tolist(), [None] * len(requests))
+            tokens = [
+                int(view[i].argmax())
+                if r.plain_greedy
+                else sample_row(view[i], r.sampling_params, self._uniform(r), self._weights(view))
+                for i, r in enumerate(requests)
+            ]
+            return SamplerOutput(tokens, [None] * len(requests))
         params = [r.sampling_params for r in requests]
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -129,8 +226,17 @@ class Sampler:
             logits = logits.clone()
             process_logits(logits, requests, eos_ids)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if logits.device.type == "cpu" and not random_rows:
-            token_list = self._numpy(logits).argmax(axis=-1).tolist()
+        if logits.device.type == "cpu":
+            view = self._numpy(logits)
+            token_list = (
+                view.argmax(axis=-1).tolist()
+                if len(random_rows) < len(params)
+                else [0] * len(params)
+            )
+            for i in random_rows:
+                token_list[i] = sample_row(
+                    view[i], params[i], self._uniform(requests[i]), self._weights(view)
+                )
             return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
         tokens = logits.argmax(dim=-1)
         if random_rows:
@@ -166,6 +272,20 @@ class Sampler:
         # Exp(1) can return 0 (probability ~2^-24 per draw in fp32): p / 0 would be inf or
         # nan and win the race whatever p is.
         return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    def _weights(self, view: Any) -> Any:
+        """A row-sized fp32 buffer for `sample_row`, kept across steps."""
+        if self._scratch is None or self._scratch.shape[0] != view.shape[-1]:
+            self._scratch = np.empty(view.shape[-1], dtype=np.float32)
+        return self._scratch
+
+    def _uniform(self, req: Request) -> float:
+        """One draw from [0, 1) with 53 random bits, from the request's generator (drawn 64
+        at a time: one torch call a step costs more than the row's sampling, cold)."""
+        if not req.uniforms:
+            generator = self._generator(req, _CPU)
+            req.uniforms = torch.rand(64, dtype=torch.float64, generator=generator).tolist()
+        return req.uniforms.pop()
 
     def _generator(self, req: Request, device: torch.device) -> torch.Generator:
         seed = req.sampling_params.seed

@@ -45,11 +45,15 @@ def _args(tiny_llama, tmp_path, *extra: str) -> list[str]:
     ]
 
 
-def test_latency_smoke(tiny_llama, tmp_path):
+@pytest.mark.parametrize("draw", [[], ["--sampled"]], ids=["greedy", "sampled"])
+def test_latency_smoke(tiny_llama, tmp_path, draw):
     out = _load("bench_latency").main(
-        _args(tiny_llama, tmp_path, "--tokens", "4", "--repeats", "1")
+        _args(tiny_llama, tmp_path, "--tokens", "4", "--repeats", "1", *draw)
     )
-    rows = _check(out, 3)["rows"]
+    assert out.name == ("latency_sampled.json" if draw else "latency.json")
+    data = _check(out, 3)
+    assert ("sampled (temperature 0.8, top_p 0.95)" in data["title"]) == bool(draw)
+    rows = data["rows"]
     assert {r["engine"] for r in rows} == {"compilecore eager", "compilecore compiled", "HF eager"}
     assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in rows)
 

@@ -3,6 +3,7 @@ engine's seeded, stop-string, stop-token and logprob behaviour."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
 from runtime.request import Request
-from runtime.sampler import Sampler
+from runtime.sampler import Sampler, _search, filter_logits, kept_weights, sample_row
 
 
 @pytest.mark.parametrize(
@@ -44,22 +45,96 @@ def _fields(params: SamplingParams) -> dict:
     return {k: getattr(params, k) for k in params.__dataclass_fields__ if not k.startswith("_")}
 
 
-def _draw(params: SamplingParams, probs: list[float], n: int = 3000) -> torch.Tensor:
+# The two ways a row is drawn: on CPU in numpy by the inverse CDF (`sample_row`), on other
+# devices by the exponential race (`Sampler._sample`, run here on CPU tensors).
+PATHS = ["cpu_rows", "race"]
+
+
+def _draw(params: SamplingParams, probs: list[float], n: int = 3000, path: str = "cpu_rows"):
     logits = torch.tensor(probs).log().repeat(n, 1)
-    return torch.tensor(Sampler()(logits, _rows(params, n)).token_ids)
+    rows = _rows(params, n)
+    if path == "race":
+        return Sampler()._sample(logits, rows)
+    return torch.tensor(Sampler()(logits, rows).token_ids)
 
 
-def test_sampling_follows_the_distribution():
+@pytest.mark.parametrize("path", PATHS)
+def test_sampling_follows_the_distribution(path):
     probs = [0.5, 0.3, 0.15, 0.05]
-    counts = torch.bincount(_draw(SamplingParams(temperature=1.0), probs), minlength=4) / 3000
-    assert torch.allclose(counts, torch.tensor(probs), atol=0.03)
+    draws = _draw(SamplingParams(temperature=1.0), probs, path=path)
+    assert torch.allclose(torch.bincount(draws, minlength=4) / 3000, torch.tensor(probs), atol=0.03)
 
 
-def test_temperature_sharpens():
+@pytest.mark.parametrize("path", PATHS)
+def test_temperature_sharpens(path):
     probs = [0.5, 0.3, 0.15, 0.05]
-    cold = torch.bincount(_draw(SamplingParams(temperature=0.5), probs), minlength=4) / 3000
+    cold = torch.bincount(_draw(SamplingParams(temperature=0.5), probs, path=path), minlength=4)
     expect = torch.tensor(probs) ** 2
-    assert torch.allclose(cold, expect / expect.sum(), atol=0.03)
+    assert torch.allclose(cold / 3000, expect / expect.sum(), atol=0.03)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    vocab=st.integers(4, 40) | st.integers(4097, 12000),
+    scale=st.floats(0.5, 8.0),
+    t=st.floats(0.2, 2.0),
+    top_k=st.just(0) | st.integers(1, 60),
+    top_p=st.just(1.0) | st.floats(0.05, 0.999),
+    min_p=st.sampled_from([0.0, 0.01, 0.2]),
+)
+def test_cpu_rows_keep_what_filter_logits_keeps(seed, vocab, scale, t, top_k, top_p, min_p):
+    """The numpy path finds the kept tokens without sorting the row (thresholds, then
+    only the candidates sorted): its renormalized probabilities equal those of
+    `filter_logits` (sort-based, vLLM's order) followed by a softmax."""
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
+    ids, weights = kept_weights(logits.numpy(), params)
+    got = np.zeros(vocab)
+    got[slice(None) if ids is None else ids] = weights
+    expect = filter_logits(logits[None], [params])[0].softmax(-1).double().numpy()
+    np.testing.assert_allclose(got / got.sum(), expect, rtol=1e-4, atol=1e-7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    vocab=st.integers(1, 40) | st.integers(4097, 9000),
+    zeros=st.floats(0.0, 0.95),
+)
+def test_inverse_cdf_gives_each_token_its_share(seed, vocab, zeros):
+    """Uniform draws on a grid: each token is drawn for a share of the grid within one
+    step of its probability, a zero-probability token never, and the largest draw below
+    1 still lands on a token that may be drawn (rounding at the very end of the range)."""
+    gen = np.random.default_rng(seed)
+    weights = gen.exponential(size=vocab) * (gen.random(vocab) >= zeros)
+    weights[gen.integers(vocab)] = 1.0
+    with np.errstate(divide="ignore"):
+        logits = np.log(weights / weights.max()).astype(np.float32)  # -inf for the zeros
+    probs = np.exp(logits.astype(np.float64))
+    probs /= probs.sum()
+    params = SamplingParams(temperature=1.0)
+    n = 2000
+    draws = [sample_row(logits, params, (i + 0.5) / n) for i in range(n)]
+    share = np.bincount(draws, minlength=vocab) / n
+    assert np.all(np.abs(share - probs) <= 1 / n + 1e-6)
+    assert probs[sample_row(logits, params, np.nextafter(1.0, 0.0))] > 0
+
+
+def test_top_p_counts_the_mass_below_the_candidates():
+    """Two tokens above the first threshold hold 1.5 of 2.0: enough to be the candidates
+    for top_p=0.55, but the nucleus is measured against all 2.0 (1.1), so both stay."""
+    logits = torch.tensor([1.0, 0.5] + [1e-3] * 500).log()
+    params = SamplingParams(top_p=0.55)
+    ids, _ = kept_weights(logits.numpy(), params)
+    assert sorted(ids.tolist()) == [0, 1]
+    assert torch.isfinite(filter_logits(logits[None], [params])[0]).sum() == 2
+
+
+def test_a_draw_rounded_past_the_end_takes_the_last_token_that_may_be_drawn():
+    weights = np.array([0.0, 1.0, 2.0, 0.0, 0.0])
+    assert _search(weights, 3.0) == (2, 2.0)
+    assert _search(weights, 2.5)[0] == 2 and _search(weights, 0.0)[0] == 1
 
 
 @pytest.mark.parametrize(
