@@ -94,8 +94,9 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         top_k = torch.tensor([p.top_k if p.uses_top_k else vocab for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], NEG_INF)
+        # Every token as large as the k-th stays (vLLM's top-k keeps ties too).
+        kth = sorted_logits.gather(-1, (top_k[:, None] - 1).clamp(max=vocab - 1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, NEG_INF)
         probs = sorted_logits.softmax(dim=-1)  # renormalized over what top-k kept
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
@@ -106,10 +107,10 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 # Candidate thresholds for top-k and top-p, as weights relative to the top token's: the
 # tokens at or above one are all that precede the rest in sorted order, so when they hold
-# the top-k or the top-p mass, sorting them alone gives the kept set exactly. A whole-row
-# sort of a 49k vocabulary takes ~3 ms on this CPU; a threshold pass ~20 us. A model's
-# logits span tens of units, so at low temperatures the top 50 can reach down to 1e-25.
-_THRESHOLDS = (1e-2, 1e-4, 1e-7, 1e-12, 1e-20, 1e-30)
+# the top-k or the top-p mass, the kept set is found among them alone. A whole-row sort of
+# a 49k vocabulary takes ~3 ms on this CPU, a threshold pass ~20 us. A model's logits span
+# tens of units, so at low temperatures the top 50 can reach down to 1e-25.
+_THRESHOLDS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-6, 1e-9, 1e-14, 1e-20, 1e-30)
 _BLOCK = 1024  # inverse CDF over a whole row: per-block sums first, then one block's cumsum
 
 
@@ -140,31 +141,31 @@ def kept_weights(
         weights[weights < params.min_p] = 0.0  # probability below min_p x the top one's
     if not (params.uses_top_k or params.top_p < 1.0):
         return None, weights
-    ids = _sorted_candidates(weights, params)
-    kept = weights[ids].astype(np.float64)
-    if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p, the first always
-        total = kept.sum() if params.uses_top_k else weights.sum(dtype=np.float64)
-        before = np.cumsum(kept) - kept
-        n = max(1, int(np.searchsorted(before, params.top_p * total)))
-        ids, kept = ids[:n], kept[:n]
-    return ids, kept
-
-
-def _sorted_candidates(weights: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Ids of the top-k tokens of nonzero weight, heaviest first, or, for top-p alone, of a
-    heaviest-first prefix that holds at least top_p of the mass."""
     k = params.top_k if params.uses_top_k else 0
-    need = params.top_p * weights.sum(dtype=np.float64)
+    total = 0.0 if k else weights.sum(dtype=np.float64)
+    ids = _candidates(weights, k, params.top_p * total)
+    kept = weights[ids]
+    if k and len(ids) > k:  # every token as heavy as the k-th (vLLM keeps ties too)
+        keep = kept >= np.partition(kept, len(ids) - k)[len(ids) - k]
+        ids, kept = ids[keep], kept[keep]
+    if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p, the first always
+        total = kept.sum(dtype=np.float64) if k else total  # renormalized after top-k
+        heaviest = np.sort(kept)[::-1].astype(np.float64)
+        before = np.cumsum(heaviest) - heaviest
+        n = max(1, int(np.searchsorted(before, params.top_p * total)))
+        keep = kept >= heaviest[n - 1]
+        ids, kept = ids[keep], kept[keep]
+    return ids, kept.astype(np.float64)
+
+
+def _candidates(weights: np.ndarray, k: int, need: float) -> np.ndarray:
+    """Ids, in vocabulary order, of tokens of nonzero weight that include the k heaviest
+    (k > 0) or the heaviest tokens holding `need` of the weight (k = 0)."""
     for threshold in _THRESHOLDS:
         ids = np.flatnonzero(weights >= threshold)
         if (len(ids) >= k) if k else (weights[ids].sum(dtype=np.float64) >= need):
-            break
-    else:
-        ids = np.flatnonzero(weights)  # tokens of weight 0 are never drawn
-        if k and len(ids) > k:
-            ids = ids[np.argpartition(-weights[ids], k - 1)[:k]]
-    ids = ids[np.argsort(-weights[ids], kind="stable")]
-    return ids[:k] if k else ids
+            return ids
+    return np.flatnonzero(weights)  # tokens of weight 0 are never drawn
 
 
 def _draw(weights: np.ndarray, u: float) -> int:

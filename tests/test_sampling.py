@@ -131,6 +131,15 @@ def test_top_p_counts_the_mass_below_the_candidates():
     assert torch.isfinite(filter_logits(logits[None], [params])[0]).sum() == 2
 
 
+def test_top_k_keeps_ties_with_the_kth_like_vllm():
+    logits = torch.tensor([3.0, 2.0, 2.0, 1.0, 2.0])
+    params = SamplingParams(top_k=2)
+    ids, _ = kept_weights(logits.numpy(), params)
+    assert sorted(ids.tolist()) == [0, 1, 2, 4]
+    kept = torch.isfinite(filter_logits(logits[None], [params])[0])
+    assert kept.nonzero().flatten().tolist() == [0, 1, 2, 4]
+
+
 def test_a_draw_rounded_past_the_end_takes_the_last_token_that_may_be_drawn():
     weights = np.array([0.0, 1.0, 2.0, 0.0, 0.0])
     assert _search(weights, 3.0) == (2, 2.0)
