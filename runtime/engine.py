@@ -139,7 +139,8 @@ class LLMEngine:
         n = req.sampling_params.prompt_logprobs
         logprobs = logits.float().log_softmax(dim=-1)
         nxt = req.prompt_token_ids[rows.first + 1 : rows.first + 1 + rows.count]
-        top_vals, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
+        top = min(n, logprobs.shape[-1])  # beyond the vocabulary: every token
+        top_vals, top_ids = logprobs.topk(top, dim=-1) if n else (None, None)
         for j, token in enumerate(nxt):
             if rows.first + j + 1 < len(req.prompt_logprobs):
                 continue  # recomputed after a preemption: already recorded

@@ -11,13 +11,14 @@ Per row, on fp32 logits (`process_logits`), each step only where the request ask
    count in the output and `presence_penalty` once for any token in the output
 
 Greedy rows then take the argmax. Sampling rows are divided by their temperature, then
-(`filter_logits`) min-p drops tokens below `min_p` x the top probability, top-k keeps the k
-largest, and top-p keeps the smallest prefix of the distribution renormalized after top-k
-whose mass reaches `top_p`. On CPU each row is filtered and drawn in numpy (`sample_row`:
-the same kept set found without sorting the vocabulary, then one uniform through the
-inverse CDF); elsewhere the token is drawn by the exponential race (argmax of p / q,
-q ~ Exp(1)). Both equal sampling from p. A request with a seed draws its randomness from its
-own generator, on the logits' device, so its tokens do not depend on the rest of the batch.
+(`filter_logits`) min-p drops tokens below `min_p` x the top probability, top-k keeps every
+token as large as the k-th (ties too, as vLLM), and top-p keeps the smallest prefix of the
+distribution renormalized after top-k whose mass reaches `top_p`. On CPU each row is
+filtered and drawn in numpy (runtime/cpu_sampling.py: the same kept set found without
+sorting the vocabulary, then one uniform through the inverse CDF); elsewhere the token is
+drawn by the exponential race (argmax of p / q, q ~ Exp(1)). Both equal sampling from p.
+A request with a seed draws its randomness from its own generator, on the logits' device,
+so its tokens do not depend on the rest of the batch.
 
 Logprobs are those of the raw distribution, before any of the above (vLLM's default
 `logprobs_mode="raw_logprobs"`), with each token's rank in it (1 = most likely).
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runtime.cpu_sampling import row_logprobs, sample_row
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 
@@ -105,90 +107,6 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
-# Candidate thresholds for top-k and top-p, as weights relative to the top token's: the
-# tokens at or above one are all that precede the rest in sorted order, so when they hold
-# the top-k or the top-p mass, the kept set is found among them alone. A whole-row sort of
-# a 49k vocabulary takes ~3 ms on this CPU, a threshold pass ~20 us. A model's logits span
-# tens of units, so at low temperatures the top 50 can reach down to 1e-25.
-_THRESHOLDS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-6, 1e-9, 1e-14, 1e-20, 1e-30)
-_BLOCK = 1024  # inverse CDF over a whole row: per-block sums first, then one block's cumsum
-
-
-def sample_row(
-    logits: np.ndarray, params: SamplingParams, u: float, out: np.ndarray | None = None
-) -> int:
-    """One token from a row of fp32 logits: the uniform draw `u` in [0, 1) picks among the
-    tokens `kept_weights` keeps by the inverse CDF of their renormalized probabilities."""
-    top = logits.max()
-    if not np.isfinite(top):  # +inf or nan logits: no distribution to draw from
-        return int(logits.argmax())
-    ids, weights = kept_weights(logits, params, out)
-    token = _draw(weights, u)
-    return token if ids is None else int(ids[token])
-
-
-def kept_weights(
-    logits: np.ndarray, params: SamplingParams, out: np.ndarray | None = None
-) -> tuple[np.ndarray | None, np.ndarray]:
-    """The tokens temperature, min-p, top-k and top-p keep (those `filter_logits` keeps)
-    and their unnormalized probabilities: (ids, weights), or (None, a weight per token)
-    where no filter applies. `out`: a buffer like `logits` for the weights (a fresh one
-    each step costs more than the math, cold)."""
-    weights = np.subtract(logits, logits.max(), out=np.empty_like(logits) if out is None else out)
-    weights *= np.float32(1.0 / params.temperature)
-    np.exp(weights, out=weights)  # the top token's weight is 1
-    if params.min_p > 0:
-        weights[weights < params.min_p] = 0.0  # probability below min_p x the top one's
-    if not (params.uses_top_k or params.top_p < 1.0):
-        return None, weights
-    k = params.top_k if params.uses_top_k else 0
-    total = 0.0 if k else weights.sum(dtype=np.float64)
-    ids = _candidates(weights, k, params.top_p * total)
-    kept = weights[ids]
-    if k and len(ids) > k:  # every token as heavy as the k-th (vLLM keeps ties too)
-        keep = kept >= np.partition(kept, len(ids) - k)[len(ids) - k]
-        ids, kept = ids[keep], kept[keep]
-    if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p, the first always
-        total = kept.sum(dtype=np.float64) if k else total  # renormalized after top-k
-        heaviest = np.sort(kept)[::-1].astype(np.float64)
-        before = np.cumsum(heaviest) - heaviest
-        n = max(1, int(np.searchsorted(before, params.top_p * total)))
-        keep = kept >= heaviest[n - 1]
-        ids, kept = ids[keep], kept[keep]
-    return ids, kept.astype(np.float64)
-
-
-def _candidates(weights: np.ndarray, k: int, need: float) -> np.ndarray:
-    """Ids, in vocabulary order, of tokens of nonzero weight that include the k heaviest
-    (k > 0) or the heaviest tokens holding `need` of the weight (k = 0)."""
-    for threshold in _THRESHOLDS:
-        ids = np.flatnonzero(weights >= threshold)
-        if (len(ids) >= k) if k else (weights[ids].sum(dtype=np.float64) >= need):
-            return ids
-    return np.flatnonzero(weights)  # tokens of weight 0 are never drawn
-
-
-def _draw(weights: np.ndarray, u: float) -> int:
-    """Index i with probability weights[i] / weights.sum(), by the inverse CDF of `u`."""
-    if len(weights) <= 4 * _BLOCK:
-        return _search(weights, u * weights.sum(dtype=np.float64))[0]
-    starts = np.arange(0, len(weights), _BLOCK)
-    sums = np.add.reduceat(weights, starts, dtype=np.float64)
-    b, rest = _search(sums, u * sums.sum())
-    return int(starts[b]) + _search(weights[starts[b] : starts[b] + _BLOCK], rest)[0]
-
-
-def _search(weights: np.ndarray, target: float) -> tuple[int, float]:
-    """The first i whose running sum passes `target` (the last nonzero one where rounding
-    left `target` at the very end), and `target` less the sum before i. A zero weight is
-    never the answer: its running sum equals the one before it."""
-    ends = np.cumsum(weights, dtype=np.float64)
-    i = int(np.searchsorted(ends, target, side="right"))
-    if i == len(ends):
-        i = int(np.flatnonzero(weights)[-1])
-    return i, target - (ends[i - 1] if i else 0.0)
-
-
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -207,38 +125,20 @@ class Sampler:
         requests: list[Request],
         eos_ids: frozenset[int] = frozenset(),
     ) -> SamplerOutput:
-        if all(r.plain for r in requests) and (view := self._cpu_view(logits)) is not None:
+        if all(r.plain_greedy for r in requests) and (view := self._cpu_view(logits)) is not None:
             # The common decode step in as few calls as possible: each one is cold after
             # the weights have streamed through the caches (NOTES section 34).
-            if all(r.plain_greedy for r in requests):
-                return SamplerOutput(view.argmax(axis=-1).tolist(), [None] * len(requests))
-            tokens = [
-                int(view[i].argmax())
-                if r.plain_greedy
-                else sample_row(view[i], r.sampling_params, self._uniform(r), self._weights(view))
-                for i, r in enumerate(requests)
-            ]
-            return SamplerOutput(tokens, [None] * len(requests))
-        params = [r.sampling_params for r in requests]
+            return SamplerOutput(view.argmax(axis=-1).tolist(), [None] * len(requests))
         if logits.dtype != torch.float32:
             logits = logits.float()
+        if logits.device.type == "cpu":
+            return self._sample_cpu(logits, requests, eos_ids)
+        params = [r.sampling_params for r in requests]
         raw = logits
         if any(p.has_logits_processing or p.min_tokens for p in params):
             logits = logits.clone()
             process_logits(logits, requests, eos_ids)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if logits.device.type == "cpu":
-            view = self._numpy(logits)
-            token_list = (
-                view.argmax(axis=-1).tolist()
-                if len(random_rows) < len(params)
-                else [0] * len(params)
-            )
-            for i in random_rows:
-                token_list[i] = sample_row(
-                    view[i], params[i], self._uniform(requests[i]), self._weights(view)
-                )
-            return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
         tokens = logits.argmax(dim=-1)
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
@@ -246,6 +146,30 @@ class Sampler:
             tokens[rows] = self._sample(logits[rows], chosen)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
+
+    def _sample_cpu(
+        self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]
+    ) -> SamplerOutput:
+        """Each row processed in torch (on a numpy copy) where its request asks, then drawn
+        and its logprobs taken in numpy (runtime/cpu_sampling.py)."""
+        raw = view = self._numpy(logits)
+        if not all(r.plain for r in requests) and any(
+            r.sampling_params.has_logits_processing or r.sampling_params.min_tokens
+            for r in requests
+        ):
+            view = raw.copy()
+            process_logits(torch.from_numpy(view), requests, eos_ids)
+        scratch = self._weights(raw)
+        params = [r.sampling_params for r in requests]
+        greedy = view.argmax(axis=-1).tolist() if any(p.greedy for p in params) else []
+        tokens, logprobs = [], []
+        for i, (r, p) in enumerate(zip(requests, params)):
+            tokens.append(
+                greedy[i] if p.greedy else sample_row(view[i], p, self._uniform(r), scratch)
+            )
+            n = p.logprobs
+            logprobs.append(None if n is None else row_logprobs(raw[i], tokens[i], n, scratch))
+        return SamplerOutput(tokens, logprobs)
 
     def _cpu_view(self, logits: torch.Tensor) -> Any:
         """`_numpy(logits)` for fp32 CPU logits, None for any other (the cached view's
@@ -275,7 +199,7 @@ class Sampler:
         return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
     def _weights(self, view: Any) -> Any:
-        """A row-sized fp32 buffer for `sample_row`, kept across steps."""
+        """A row-sized fp32 buffer for `sample_row` and `row_logprobs`, kept across steps."""
         if self._scratch is None or self._scratch.shape[0] != view.shape[-1]:
             self._scratch = np.empty(view.shape[-1], dtype=np.float32)
         return self._scratch
@@ -304,7 +228,7 @@ class Sampler:
         if all(n is None for n in wanted):
             return [None] * len(params)
         logprobs = logits.log_softmax(dim=-1)
-        top_n = max(n or 0 for n in wanted)
+        top_n = min(max(n or 0 for n in wanted), logits.shape[-1])  # at most every token
         top_vals, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
         out: list[dict[int, tuple[float, int]] | None] = []
         for i, n in enumerate(wanted):

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
+from runtime.cpu_sampling import _search, kept_weights, row_logprobs, sample_row
 from runtime.request import Request
-from runtime.sampler import Sampler, _search, filter_logits, kept_weights, sample_row
+from runtime.sampler import Sampler, filter_logits
 
 
 @pytest.mark.parametrize(
@@ -119,6 +120,25 @@ def test_inverse_cdf_gives_each_token_its_share(seed, vocab, zeros):
     share = np.bincount(draws, minlength=vocab) / n
     assert np.all(np.abs(share - probs) <= 1 / n + 1e-6)
     assert probs[sample_row(logits, params, np.nextafter(1.0, 0.0))] > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    vocab=st.integers(2, 40) | st.integers(4097, 9000),
+    scale=st.floats(0.5, 20.0),
+    n=st.integers(0, 25),
+)
+def test_cpu_logprobs_equal_the_torch_path(seed, vocab, scale, n):
+    """`row_logprobs` (numpy, thresholds then the candidates sorted) against
+    `Sampler._logprobs` (torch's log_softmax and topk, the path on other devices)."""
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    token = seed % vocab
+    got = row_logprobs(logits[0].numpy(), token, n)
+    expect = Sampler._logprobs(logits, [SamplingParams(logprobs=n)], [token])[0]
+    assert got.keys() == expect.keys()
+    for t, (value, rank) in expect.items():
+        assert got[t][1] == rank and got[t][0] == pytest.approx(value, abs=1e-5)
 
 
 def test_top_p_counts_the_mass_below_the_candidates():

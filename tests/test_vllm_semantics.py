@@ -114,13 +114,28 @@ def test_bad_engine_args(tiny_llama, kwargs, match):
 
 # -- a failed request never breaks the LLM ---------------------------------------------
 def test_request_failing_inside_a_step_leaves_the_llm_serving(llm, reference):
-    # logprobs beyond the vocabulary: torch.topk raises inside the sampler, mid-step.
-    with pytest.raises(RuntimeError) as info:
-        llm.generate(["x", "y"], SamplingParams(logprobs=10**6, max_tokens=4), use_tqdm=False)
+    # A logit bias on a token outside the vocabulary, added straight to the engine (the
+    # LLM's checks refuse it): the sampler's indexing raises mid-step, next to a good request.
+    engine, vocab = llm.llm_engine, llm.engine_config.model_config.hf_config.vocab_size
+    bad = SamplingParams(logit_bias={vocab + 7: 1.0}, max_tokens=4)
+    engine.add_request(Request("bad", llm._tokenize(0, "x"), bad))
+    engine.add_request(Request("good", llm._tokenize(1, "y"), SamplingParams(max_tokens=4)))
+    with pytest.raises(IndexError) as info:
+        while engine.has_unfinished_requests():
+            engine.step()
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "aborted the requests of the failed step" in notes or not hasattr(info.value, "add_note")
     _idle(llm)
     assert _greedy(llm) == reference
+
+
+def test_logprobs_beyond_the_vocabulary_rank_every_token(llm):
+    vocab = llm.engine_config.model_config.hf_config.vocab_size
+    params = SamplingParams(logprobs=10**6, prompt_logprobs=10**6, max_tokens=2)
+    out = llm.generate(["x y"], params, use_tqdm=False)[0]
+    for entry in out.outputs[0].logprobs + out.prompt_logprobs[1:]:
+        assert sorted(v.rank for v in entry.values()) == list(range(1, vocab + 1))
+        assert math.fsum(math.exp(v.logprob) for v in entry.values()) == pytest.approx(1.0)
 
 
 def test_interrupted_generate_leaves_the_llm_serving(llm, reference, monkeypatch):

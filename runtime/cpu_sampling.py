@@ -1,0 +1,120 @@
+"""Sampling on CPU, a row at a time in numpy: the filters of `runtime.sampler` (temperature,
+min-p, top-k, top-p in vLLM's order) without sorting the vocabulary, the draw by the
+inverse CDF of one uniform, and a row's logprobs and ranks.
+
+Why not torch: at batch 1 a whole-row sort (top-k / top-p) took ~3.6 ms and the exponential
+race's noise ~1 ms on a 49k vocabulary, against a ~7-9 ms decode step; each torch call
+also runs cold after the weights have streamed through the caches (benchmarks/NOTES.md,
+section 36).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from runtime.sampling_params import SamplingParams
+
+# Candidate thresholds for top-k and top-p, as weights relative to the top token's: the
+# tokens at or above one are all that precede the rest in sorted order, so when they hold
+# the top-k or the top-p mass, the kept set is found among them alone. A whole-row sort of
+# a 49k vocabulary takes ~3 ms on this CPU, a threshold pass ~20 us. A model's logits span
+# tens of units, so at low temperatures the top 50 can reach down to 1e-25.
+_THRESHOLDS = (1e-1, 1e-2, 1e-3, 1e-4, 1e-6, 1e-9, 1e-14, 1e-20, 1e-30)
+_BLOCK = 1024  # inverse CDF over a whole row: per-block sums first, then one block's cumsum
+
+
+def sample_row(
+    logits: np.ndarray, params: SamplingParams, u: float, out: np.ndarray | None = None
+) -> int:
+    """One token from a row of fp32 logits: the uniform draw `u` in [0, 1) picks among the
+    tokens `kept_weights` keeps by the inverse CDF of their renormalized probabilities."""
+    top = logits.max()
+    if not np.isfinite(top):  # +inf or nan logits: no distribution to draw from
+        return int(logits.argmax())
+    ids, weights = kept_weights(logits, params, out)
+    token = _draw(weights, u)
+    return token if ids is None else int(ids[token])
+
+
+def kept_weights(
+    logits: np.ndarray, params: SamplingParams, out: np.ndarray | None = None
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """The tokens temperature, min-p, top-k and top-p keep (those `filter_logits` keeps)
+    and their unnormalized probabilities: (ids, weights), or (None, a weight per token)
+    where no filter applies. `out`: a buffer like `logits` for the weights (a fresh one
+    each step costs more than the math, cold)."""
+    weights = np.subtract(logits, logits.max(), out=np.empty_like(logits) if out is None else out)
+    weights *= np.float32(1.0 / params.temperature)
+    np.exp(weights, out=weights)  # the top token's weight is 1
+    if params.min_p > 0:
+        weights[weights < params.min_p] = 0.0  # probability below min_p x the top one's
+    if not (params.uses_top_k or params.top_p < 1.0):
+        return None, weights
+    k = params.top_k if params.uses_top_k else 0
+    total = 0.0 if k else weights.sum(dtype=np.float64)
+    ids = _candidates(weights, k, params.top_p * total)
+    kept = weights[ids]
+    if k and len(ids) > k:  # every token as heavy as the k-th (vLLM keeps ties too)
+        keep = kept >= np.partition(kept, len(ids) - k)[len(ids) - k]
+        ids, kept = ids[keep], kept[keep]
+    if params.top_p < 1.0:  # the smallest prefix whose mass reaches top_p, the first always
+        total = kept.sum(dtype=np.float64) if k else total  # renormalized after top-k
+        heaviest = np.sort(kept)[::-1].astype(np.float64)
+        before = np.cumsum(heaviest) - heaviest
+        n = max(1, int(np.searchsorted(before, params.top_p * total)))
+        keep = kept >= heaviest[n - 1]
+        ids, kept = ids[keep], kept[keep]
+    return ids, kept.astype(np.float64)
+
+
+def _candidates(weights: np.ndarray, k: int, need: float) -> np.ndarray:
+    """Ids, in vocabulary order, of tokens of nonzero weight that include the k heaviest
+    (k > 0) or the heaviest tokens holding `need` of the weight (k = 0)."""
+    for threshold in _THRESHOLDS:
+        ids = np.flatnonzero(weights >= threshold)
+        if (len(ids) >= k) if k else (weights[ids].sum(dtype=np.float64) >= need):
+            return ids
+    return np.flatnonzero(weights)  # tokens of weight 0 are never drawn
+
+
+def _draw(weights: np.ndarray, u: float) -> int:
+    """Index i with probability weights[i] / weights.sum(), by the inverse CDF of `u`."""
+    if len(weights) <= 4 * _BLOCK:
+        return _search(weights, u * weights.sum(dtype=np.float64))[0]
+    starts = np.arange(0, len(weights), _BLOCK)
+    sums = np.add.reduceat(weights, starts, dtype=np.float64)
+    b, rest = _search(sums, u * sums.sum())
+    return int(starts[b]) + _search(weights[starts[b] : starts[b] + _BLOCK], rest)[0]
+
+
+def _search(weights: np.ndarray, target: float) -> tuple[int, float]:
+    """The first i whose running sum passes `target` (the last nonzero one where rounding
+    left `target` at the very end), and `target` less the sum before i. A zero weight is
+    never the answer: its running sum equals the one before it."""
+    ends = np.cumsum(weights, dtype=np.float64)
+    i = int(np.searchsorted(ends, target, side="right"))
+    if i == len(ends):
+        i = int(np.flatnonzero(weights)[-1])
+    return i, target - (ends[i - 1] if i else 0.0)
+
+
+def row_logprobs(
+    logits: np.ndarray, token: int, n: int, out: np.ndarray | None = None
+) -> dict[int, tuple[float, int]]:
+    """{token id: (logprob, rank)} for `token` and the `n` most likely tokens of a row of
+    fp32 logits (rank 1 = most likely; a token's rank is 1 + the tokens above it)."""
+    top = logits.max()
+    weights = np.subtract(logits, top, out=np.empty_like(logits) if out is None else out)
+    np.exp(weights, out=weights)
+    log_total = float(top) + math.log(weights.sum(dtype=np.float64))
+    value = logits[token]
+    entry = {token: (float(value) - log_total, int(np.count_nonzero(logits > value)) + 1)}
+    if n:
+        ids = _candidates(weights, n, 0.0)
+        if len(ids) > n:
+            ids = ids[np.argpartition(-logits[ids], n - 1)[:n]]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        entry.update({t: (float(logits[t]) - log_total, r + 1) for r, t in enumerate(ids.tolist())})
+    return entry
