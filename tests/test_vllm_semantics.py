@@ -191,6 +191,10 @@ def _fields(params: SamplingParams) -> dict:
 
 
 # -- logits processing against direct computation -------------------------------------
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
@@ -201,7 +205,7 @@ def _fields(params: SamplingParams) -> dict:
     repetition=st.floats(0.5, 2),
 )
 def test_penalties_and_bias_equal_direct_computation(
-    seed, vocab, out_len, presence, frequency, repetition
+    device, seed, vocab, out_len, presence, frequency, repetition
 ):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(vocab, generator=g) * 3
@@ -214,8 +218,9 @@ def test_penalties_and_bias_equal_direct_computation(
     )  # fmt: skip
     req = Request("r", prompt, params)
     req.output_token_ids = list(out)
-    got = logits.clone()[None]
+    got = logits.clone()[None].to(device)  # on CUDA: every index and value on the device
     process_logits(got, [req], frozenset())
+    got = got.cpu()
     want = logits.clone()
     for t, b in bias.items():
         want[t] += b
