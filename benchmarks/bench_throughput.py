@@ -3,13 +3,14 @@
 1. Mixed lengths: 64 requests with seeded prompt and output lengths uniform in 64-256,
    `ignore_eos`, this engine (continuous batching) against HF transformers' batched
    `generate` (padded, length-sorted batches of --hf-batch, after a warm-up). Only
-   requested tokens count.
+   requested tokens count. Greedy, or with `--sampled` vLLM's quickstart sampling
+   (temperature 0.8, top-p 0.95) in both engines.
 2. Fixed shapes, B x (128-token prompt + 128 tokens) for B in --batches, against
    llama.cpp's `llama-batched-bench` at the same shapes on a GGUF of the same weights
    (built by benchmarks/setup_peers.sh): wall time of the whole batch, and tokens (prompt
    + generated) per second, as llama-batched-bench counts them.
 
-    python benchmarks/bench_throughput.py
+    python benchmarks/bench_throughput.py [--sampled]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
-from common import RESULTS, save_results  # noqa: E402
+from common import RESULTS, SAMPLED, save_results  # noqa: E402
 
 from runtime import LLM, SamplingParams  # noqa: E402
 
@@ -39,8 +40,9 @@ def workload(n: int, low: int, high: int, vocab: int, seed: int = 0):
     return prompts, outputs
 
 
-def ours(llm: LLM, prompts, outputs) -> float:
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in outputs]
+def ours(llm: LLM, prompts, outputs, sampling: dict | None = None) -> float:
+    draw = sampling or {"temperature": 0}
+    params = [SamplingParams(**draw, max_tokens=m, ignore_eos=True) for m in outputs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -49,7 +51,7 @@ def ours(llm: LLM, prompts, outputs) -> float:
     return sum(outputs) / elapsed
 
 
-def hf(model_dir: str, dtype, prompts, outputs, batch: int) -> float:
+def hf(model_dir: str, dtype, prompts, outputs, batch: int, sampling: dict | None = None) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -57,6 +59,7 @@ def hf(model_dir: str, dtype, prompts, outputs, batch: int) -> float:
     # Length-sorted batches pad least; a warm-up keeps first-call costs out of the timing.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     prompts, outputs = [prompts[i] for i in order], [outputs[i] for i in order]
+    draw = {"do_sample": True, "top_k": 0, **sampling} if sampling else {"do_sample": False}
     with torch.inference_mode():
         model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, pad_token_id=0)
     start = time.perf_counter()
@@ -71,8 +74,8 @@ def hf(model_dir: str, dtype, prompts, outputs, batch: int) -> float:
                 attention_mask=mask,
                 max_new_tokens=max(lens),
                 min_new_tokens=max(lens),
-                do_sample=False,
                 pad_token_id=0,
+                **draw,
             )
     return sum(outputs) / (time.perf_counter() - start)
 
@@ -131,13 +134,16 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--rounds", type=int, default=2,
                         help="fixed shapes: compilecore and llama-batched-bench alternate this "
                         "many times; each keeps its best time per batch")  # fmt: skip
+    parser.add_argument("--sampled", action="store_true",
+                        help=f"mixed lengths: sample ({SAMPLED}) instead of greedy")  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
+    sampling = SAMPLED if args.sampled else None
     max_seqs = max([args.requests] + [int(b) for b in args.batches.split(",") if b])
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max_seqs)
     vocab = llm.engine_config.model_config.hf_config.vocab_size
     prompts, outputs = workload(args.requests, args.min_len, args.max_len, vocab)
-    rows = [{"engine": "compilecore compiled", "tok_s": ours(llm, prompts, outputs)}]
+    rows = [{"engine": "compilecore compiled", "tok_s": ours(llm, prompts, outputs, sampling)}]
     batches = [int(b) for b in args.batches.split(",") if b]
     threads = torch.get_num_threads()
     lacking = peers.missing(tools=("llama-batched-bench",)) if args.model is None else ["GGUF"]
@@ -156,7 +162,7 @@ def main(argv: list[str] | None = None) -> Path:
         rows.append(
             {
                 "engine": f"HF generate (batch {args.hf_batch})",
-                "tok_s": hf(model_dir, dtype, prompts, outputs, args.hf_batch),
+                "tok_s": hf(model_dir, dtype, prompts, outputs, args.hf_batch, sampling),
             }
         )
         for r in rows:
@@ -176,12 +182,19 @@ def main(argv: list[str] | None = None) -> Path:
         )
         columns = ["engine", "batch", "seconds", "tok_s", "vs_llama_cpp"]
         save_results("batched", shapes, columns, title, Path(args.out))
+    drawn = f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())})"
     title = (
         f"offline throughput, {args.requests} requests, lengths {args.min_len}-"
-        f"{args.max_len}, {args.dtype}, {torch.get_num_threads()} threads"
+        f"{args.max_len}, {drawn if args.sampled else 'greedy'}, {args.dtype}, "
+        f"{torch.get_num_threads()} threads"
     )
     return save_results(
-        "throughput", rows, ["engine", "tok_s", "vs_HF"], title, Path(args.out), chart_key="tok_s"
+        "throughput_sampled" if args.sampled else "throughput",
+        rows,
+        ["engine", "tok_s", "vs_HF"],
+        title,
+        Path(args.out),
+        chart_key="tok_s",
     )
 
 

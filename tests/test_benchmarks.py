@@ -78,7 +78,8 @@ def test_paired_bandwidth_compares_a_run_with_sums_just_around_it():
 
 
 def test_throughput_smoke_through_the_cli(tiny_llama, tmp_path):
-    extra = ["--requests", "4", "--min-len", "3", "--max-len", "6", "--hf-batch", "2"]
+    # Sampled: the greedy offline run differs only in its SamplingParams (and HF's flags).
+    extra = ["--requests", "4", "--min-len", "3", "--max-len", "6", "--hf-batch", "2", "--sampled"]
     res = subprocess.run(
         [
             sys.executable,
@@ -93,8 +94,9 @@ def test_throughput_smoke_through_the_cli(tiny_llama, tmp_path):
         timeout=600,
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = _check(tmp_path / "throughput.json", 2)["rows"]
-    assert all(r["tok_s"] > 0 and "vs_HF" in r for r in rows)
+    data = _check(tmp_path / "throughput_sampled.json", 2)
+    assert "sampled (temperature 0.8, top_p 0.95)" in data["title"]
+    assert all(r["tok_s"] > 0 and "vs_HF" in r for r in data["rows"])
 
 
 def test_startup_smoke(tiny_llama, tmp_path):
