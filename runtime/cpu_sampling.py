@@ -1,20 +1,62 @@
-"""Sampling on CPU, a row at a time in numpy: the filters of `runtime.sampler` (temperature,
-min-p, top-k, top-p in vLLM's order) without sorting the vocabulary, the draw by the
-inverse CDF of one uniform, and a row's logprobs and ranks.
+"""Sampling on CPU: the filters of `runtime.sampler` (temperature, min-p, top-k, top-p in
+vLLM's order) without sorting the vocabulary, the draw by the inverse CDF of one uniform
+per row, and a row's logprobs and ranks.
 
+`sample_rows` runs a batch's rows in C (cpu_sampling.cpp, in parallel) and falls back to
+`sample_row`, the same steps a row at a time in numpy, where the kernel cannot be built.
 Why not torch: at batch 1 a whole-row sort (top-k / top-p) took ~3.6 ms and the exponential
-race's noise ~1 ms on a 49k vocabulary, against a ~7-9 ms decode step; each torch call
-also runs cold after the weights have streamed through the caches (benchmarks/NOTES.md,
+race's noise ~1 ms on a 49k vocabulary, against a ~7-9 ms decode step; each torch or numpy
+call also runs cold after the weights have streamed through the caches (benchmarks/NOTES.md,
 section 36).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+from pathlib import Path
 
 import numpy as np
 
+from passes import native
 from runtime.sampling_params import SamplingParams
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load_op_kernel(Path(__file__).with_suffix(".cpp"), "sample_rows_available")
+    if lib is not None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.sample_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+        lib.sample_rows.restype = None
+    return lib
+
+
+def sample_rows(
+    logits: np.ndarray,
+    rows: list[tuple[int, SamplingParams, float]],
+    out: np.ndarray | None = None,
+    kernel: bool = True,
+) -> list[int]:
+    """A token for each (row of `logits` [*, vocab] fp32, its params, a uniform draw in
+    [0, 1)), in C where the kernel builds (and `kernel`), else `sample_row` per row
+    (`out`: its weights buffer)."""
+    lib = _kernel() if kernel else None
+    if lib is None or logits.strides[1] != 4:
+        return [sample_row(logits[i], p, u, out) for i, p, u in rows]
+    spec = np.array(
+        [(i, 1.0 / p.temperature, p.min_p, p.top_k if p.uses_top_k else 0, p.top_p, u)
+         for i, p, u in rows],
+        dtype=np.float64,
+    )  # fmt: skip
+    tokens = np.empty(len(rows), dtype=np.int64)
+    stride, vocab = logits.strides[0] // 4, logits.shape[1]
+    lib.sample_rows(
+        logits.ctypes.data, stride, vocab, len(rows), spec.ctypes.data, tokens.ctypes.data
+    )
+    return tokens.tolist()
+
 
 # Candidate thresholds for top-k and top-p, as weights relative to the top token's: the
 # tokens at or above one are all that precede the rest in sorted order, so when they hold

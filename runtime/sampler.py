@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.cpu_sampling import row_logprobs, sample_row
+from runtime.cpu_sampling import row_logprobs, sample_rows
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 
@@ -162,14 +162,20 @@ class Sampler:
             process_logits(torch.from_numpy(view), requests, eos_ids)
         scratch = self._weights(raw)
         params = [r.sampling_params for r in requests]
-        greedy = view.argmax(axis=-1).tolist() if any(p.greedy for p in params) else []
-        tokens, logprobs = [], []
-        for i, (r, p) in enumerate(zip(requests, params)):
-            tokens.append(
-                greedy[i] if p.greedy else sample_row(view[i], p, self._uniform(r), scratch)
-            )
-            n = p.logprobs
-            logprobs.append(None if n is None else row_logprobs(raw[i], tokens[i], n, scratch))
+        tokens = view.argmax(axis=-1).tolist() if any(p.greedy for p in params) else []
+        drawn = [
+            (i, p, self._uniform(r))
+            for i, (r, p) in enumerate(zip(requests, params))
+            if not p.greedy
+        ]
+        if drawn:
+            tokens = tokens or [0] * len(requests)
+            for (i, _, _), token in zip(drawn, sample_rows(view, drawn, scratch)):
+                tokens[i] = token
+        logprobs = [
+            None if p.logprobs is None else row_logprobs(raw[i], tokens[i], p.logprobs, scratch)
+            for i, p in enumerate(params)
+        ]
         return SamplerOutput(tokens, logprobs)
 
     def _cpu_view(self, logits: torch.Tensor) -> Any:

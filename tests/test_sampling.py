@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
-from runtime.cpu_sampling import _search, kept_weights, row_logprobs, sample_row
+from runtime.cpu_sampling import _kernel, _search, kept_weights, row_logprobs, sample_rows
 from runtime.request import Request
 from runtime.sampler import Sampler, filter_logits
 
@@ -97,13 +97,26 @@ def test_cpu_rows_keep_what_filter_logits_keeps(seed, vocab, scale, t, top_k, to
     np.testing.assert_allclose(got / got.sum(), expect, rtol=1e-4, atol=1e-7)
 
 
+# Both ways `sample_rows` draws on CPU: the C kernel and numpy a row at a time.
+KERNELS = [pytest.param(True, id="c"), pytest.param(False, id="numpy")]
+
+
+def _grid_shares(logits: np.ndarray, params: SamplingParams, n: int, kernel: bool) -> np.ndarray:
+    """Each token's share of draws at n uniforms evenly spaced over [0, 1)."""
+    assert _kernel() is not None or not kernel  # built here: the C case is not numpy again
+    rows = [(0, params, (j + 0.5) / n) for j in range(n)]
+    tokens = sample_rows(logits[None], rows, kernel=kernel)
+    return np.bincount(tokens, minlength=logits.shape[0]) / n
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
     vocab=st.integers(1, 40) | st.integers(4097, 9000),
     zeros=st.floats(0.0, 0.95),
 )
-def test_inverse_cdf_gives_each_token_its_share(seed, vocab, zeros):
+def test_inverse_cdf_gives_each_token_its_share(kernel, seed, vocab, zeros):
     """Uniform draws on a grid: each token is drawn for a share of the grid within one
     step of its probability, a zero-probability token never, and the largest draw below
     1 still lands on a token that may be drawn (rounding at the very end of the range)."""
@@ -116,10 +129,55 @@ def test_inverse_cdf_gives_each_token_its_share(seed, vocab, zeros):
     probs /= probs.sum()
     params = SamplingParams(temperature=1.0)
     n = 2000
-    draws = [sample_row(logits, params, (i + 0.5) / n) for i in range(n)]
-    share = np.bincount(draws, minlength=vocab) / n
-    assert np.all(np.abs(share - probs) <= 1 / n + 1e-6)
-    assert probs[sample_row(logits, params, np.nextafter(1.0, 0.0))] > 0
+    assert np.all(np.abs(_grid_shares(logits, params, n, kernel) - probs) <= 1 / n + 1e-6)
+    last = sample_rows(logits[None], [(0, params, np.nextafter(1.0, 0.0))], kernel=kernel)
+    assert probs[last[0]] > 0
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    vocab=st.integers(4, 40) | st.integers(4097, 12000),
+    scale=st.floats(0.5, 8.0),
+    t=st.floats(0.2, 2.0),
+    top_k=st.just(0) | st.integers(1, 60),
+    top_p=st.just(1.0) | st.floats(0.05, 0.999),
+    min_p=st.sampled_from([0.0, 0.01, 0.2]),
+)
+def test_draws_follow_filter_logits(kernel, seed, vocab, scale, t, top_k, top_p, min_p):
+    """Draws on a grid land on each token as often as the sort-based `filter_logits` and a
+    softmax say (within a grid step), and never on a token it drops."""
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = filter_logits(logits[None], [params])[0].softmax(-1).double().numpy()
+    n = 1000
+    share = _grid_shares(logits.numpy(), params, n, kernel)
+    assert np.all(np.abs(share - probs) <= 1 / n + 1e-5)
+    assert np.all(probs[share > 0] > 0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_rows_without_a_distribution_take_numpys_argmax(kernel):
+    """A nan or +inf logit leaves nothing to normalize: the row takes numpy's argmax (the
+    first nan, else the first +inf), as greedy rows do; -inf logits are masked tokens."""
+    inf, nan = float("inf"), float("nan")
+    rows = np.array([[0, nan, 1, nan], [0, inf, 1, inf], [-inf, 2, -inf, 2]], np.float32)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    draws = [
+        sample_rows(rows, [(i, params, u)], kernel=kernel)[0] for i in range(3) for u in (0.1, 0.9)
+    ]
+    assert draws == [1, 1, 1, 1, 1, 3]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_top_p_after_top_k_is_renormalized(kernel):
+    """Top-2 of [0.4, 0.3, 0.2, 0.1] renormalized is [4/7, 3/7]: top_p=0.5 keeps one token
+    (against the unrenormalized 0.4 it would keep two)."""
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    params = SamplingParams(top_k=2, top_p=0.5)
+    assert torch.isfinite(filter_logits(logits[None], [params])[0]).tolist() == [1, 0, 0, 0]
+    assert _grid_shares(logits.numpy(), params, 100, kernel).tolist() == [1, 0, 0, 0]
 
 
 @settings(max_examples=40, deadline=None)
