@@ -23,6 +23,11 @@ from passes import native
 from runtime.sampling_params import SamplingParams
 
 
+def build() -> bool:
+    """Builds (or loads) the C kernel; whether this machine has it."""
+    return _kernel() is not None
+
+
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
     lib = native.load_op_kernel(Path(__file__).with_suffix(".cpp"), "sample_rows_available")

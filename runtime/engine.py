@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from compilecore.config import EngineConfig
+from runtime import cpu_sampling
 from runtime.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from runtime.executor import LocalExecutor
 from runtime.model_runner import PromptLogprobRows, plan_step
@@ -37,6 +38,8 @@ class LLMEngine:
             engine_config.scheduler_config, engine_config.cache_config, num_blocks
         )
         self.sampler = Sampler(engine_config.model_config.seed)
+        if engine_config.device.type == "cpu":
+            cpu_sampling.build()  # now, not at the first sampled token (~1 s on first use)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer | NullDetokenizer] = {}
         self.eos_token_ids = eos_token_ids(engine_config.model_config, tokenizer)

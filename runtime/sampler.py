@@ -13,10 +13,11 @@ Per row, on fp32 logits (`process_logits`), each step only where the request ask
 Greedy rows then take the argmax. Sampling rows are divided by their temperature, then
 (`filter_logits`) min-p drops tokens below `min_p` x the top probability, top-k keeps every
 token as large as the k-th (ties too, as vLLM), and top-p keeps the smallest prefix of the
-distribution renormalized after top-k whose mass reaches `top_p`. On CPU each row is
-filtered and drawn in numpy (runtime/cpu_sampling.py: the same kept set found without
-sorting the vocabulary, then one uniform through the inverse CDF); elsewhere the token is
-drawn by the exponential race (argmax of p / q, q ~ Exp(1)). Both equal sampling from p.
+distribution renormalized after top-k whose mass reaches `top_p`. On CPU the rows are
+filtered and drawn in C (runtime/cpu_sampling.py: the same kept set found without sorting
+the vocabulary, then one uniform through the inverse CDF; numpy where the kernel cannot be
+built); elsewhere the token is drawn by the exponential race (argmax of p / q, q ~ Exp(1)).
+Both equal sampling from p.
 A request with a seed draws its randomness from its own generator, on the logits' device,
 so its tokens do not depend on the rest of the batch.
 
@@ -69,8 +70,8 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_ids: froze
             stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_ids))
             if stops:
                 row[sorted(stops)] = NEG_INF
-        # Penalties touch only the tokens seen: whole-row passes cost ~0.5 ms a step at a
-        # 49k vocabulary on CPU, a decode step's 5%.
+        # Penalties index only the tokens seen, with every tensor on the logits' device (a
+        # CPU-built one cannot index into or add to CUDA logits).
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(req.prompt_token_ids).union(out)), device=device)
             vals = row[seen]
@@ -152,7 +153,7 @@ class Sampler:
         self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]
     ) -> SamplerOutput:
         """Each row processed in torch (on a numpy copy) where its request asks, then drawn
-        and its logprobs taken in numpy (runtime/cpu_sampling.py)."""
+        and its logprobs taken by runtime/cpu_sampling.py."""
         raw = view = self._numpy(logits)
         if not all(r.plain for r in requests) and any(
             r.sampling_params.has_logits_processing or r.sampling_params.min_tokens
