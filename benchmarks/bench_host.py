@@ -1,8 +1,9 @@
 """Host time of a batch-1 decode step: the engine step's wall time minus the CPU-graph
 replay inside it (scheduler, input writes, sampler, detokenizer, Python frames). One
-request decodes `--steps` tokens per round, greedy, EOS ignored (NOTES.md, section 30).
+request decodes `--steps` tokens per round, greedy (with `--sampled`: temperature 0.8,
+top-p 0.95), EOS ignored (NOTES.md, sections 30 and 36).
 
-    python benchmarks/bench_host.py [--model PATH] [--steps 256] [--rounds 4]
+    python benchmarks/bench_host.py [--model PATH] [--steps 256] [--rounds 4] [--sampled]
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from runtime import LLM, SamplingParams
 from runtime.request import Request
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, save_results  # noqa: E402
+from common import RESULTS, SAMPLED, drawn, save_results  # noqa: E402
 
 PROMPT = "Hello there, tell me a story about a dragon"
 
 
-def measure(llm: LLM, steps: int, rounds: int) -> list[dict]:
+def measure(llm: LLM, steps: int, rounds: int, sampling: dict | None = None) -> list[dict]:
     replay_s = [0.0, 0]
     original = cpu_graph.CpuGraph.replay
 
@@ -33,11 +34,9 @@ def measure(llm: LLM, steps: int, rounds: int) -> list[dict]:
         replay_s[1] += 1
         return out
 
-    engine, params = (
-        llm.llm_engine,
-        SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True),
-    )
-    llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    draw = sampling or {"temperature": 0}
+    engine, params = llm.llm_engine, SamplingParams(max_tokens=steps + 1, ignore_eos=True, **draw)
+    llm.generate([PROMPT], SamplingParams(max_tokens=8, **draw), use_tqdm=False)
     rows = []
     cpu_graph.CpuGraph.replay = timed
     try:
@@ -69,13 +68,19 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--sampled", action="store_true", help=f"sample ({SAMPLED})")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
-    rows = measure(llm, args.steps, args.rounds)
-    title = f"host time per batch-1 decode step (outside the CPU-graph replay), {args.dtype}"
+    sampling = SAMPLED if args.sampled else None
+    rows = measure(llm, args.steps, args.rounds, sampling)
+    title = (
+        f"host time per batch-1 decode step (outside the CPU-graph replay), "
+        f"{drawn(sampling)}, {args.dtype}"
+    )
     columns = ["round", "steps", "replays", "step_ms", "replay_ms", "host_ms"]
-    return save_results("host", rows, columns, title, Path(args.out))
+    name = "host_sampled" if args.sampled else "host"
+    return save_results(name, rows, columns, title, Path(args.out))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     SAMPLED,
     PairedBandwidth,
     decode_speed,
+    drawn,
     read_bandwidth,
     save_results,
     weight_bytes,
@@ -188,10 +189,9 @@ def main(argv: list[str] | None = None) -> Path:
         r["of_ceiling"] = r["tok_s"] / ceiling
         if reference:
             r["vs_llama_cpp"] = r["tok_s"] / reference
-    drawn = f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())})"
     title = (
         f"batch-1 decode, {args.tokens} tokens after a chat prompt, "
-        f"{drawn if args.sampled else 'greedy'}, {args.dtype}, {threads} "
+        f"{drawn(args.sampling)}, {args.dtype}, {threads} "
         f"threads; read bandwidth {ceiling_gbs:.1f} GB/s (best of {len(bandwidths)} measurements "
         f"through the run, lowest {min(bandwidths):.1f}), weights {weights / 1e6:.0f} MB per "
         f"token, ceiling {ceiling:.0f} tok/s; of_paired_bw: median over runs of a run's GB/s "

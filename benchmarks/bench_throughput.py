@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
-from common import RESULTS, SAMPLED, save_results  # noqa: E402
+from common import RESULTS, SAMPLED, drawn, save_results  # noqa: E402
 
 from runtime import LLM, SamplingParams  # noqa: E402
 
@@ -182,10 +182,9 @@ def main(argv: list[str] | None = None) -> Path:
         )
         columns = ["engine", "batch", "seconds", "tok_s", "vs_llama_cpp"]
         save_results("batched", shapes, columns, title, Path(args.out))
-    drawn = f"sampled ({', '.join(f'{k} {v}' for k, v in SAMPLED.items())})"
     title = (
         f"offline throughput, {args.requests} requests, lengths {args.min_len}-"
-        f"{args.max_len}, {drawn if args.sampled else 'greedy'}, {args.dtype}, "
+        f"{args.max_len}, {drawn(sampling)}, {args.dtype}, "
         f"{torch.get_num_threads()} threads"
     )
     return save_results(

@@ -26,6 +26,13 @@ RESULTS = Path(__file__).parent / "results"
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
+def drawn(sampling: dict | None) -> str:
+    """How a benchmark's tokens are drawn, for its title."""
+    if not sampling:
+        return "greedy"
+    return f"sampled ({', '.join(f'{k} {v}' for k, v in sampling.items())})"
+
+
 def decode_once(
     llm: LLM, prompt: list[int], tokens: int, sampling: dict[str, float] | None = None
 ) -> float:

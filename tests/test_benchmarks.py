@@ -106,8 +106,12 @@ def test_startup_smoke(tiny_llama, tmp_path):
     assert warm["inductor_compiles"] == 0 and warm["cache_hits"] > 0
 
 
-def test_host_smoke(tiny_llama, tmp_path):
-    out = _load("bench_host").main(_args(tiny_llama, tmp_path, "--steps", "6", "--rounds", "2"))
+@pytest.mark.parametrize("draw", [[], ["--sampled"]], ids=["greedy", "sampled"])
+def test_host_smoke(tiny_llama, tmp_path, draw):
+    out = _load("bench_host").main(
+        _args(tiny_llama, tmp_path, "--steps", "6", "--rounds", "2", *draw)
+    )
+    assert out.name == ("host_sampled.json" if draw else "host.json")
     rows = _check(out, 2)["rows"]
     assert all(r["steps"] == 6 and r["replays"] == 6 for r in rows)  # every step replayed
     assert all(0 < r["replay_ms"] < r["step_ms"] and r["host_ms"] > 0 for r in rows)
