@@ -18,7 +18,7 @@ from runtime import LLM, SamplingParams
 from runtime.request import Request
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import RESULTS, SAMPLED, drawn, save_results  # noqa: E402
+from common import GREEDY, RESULTS, SAMPLED, drawn, save_results  # noqa: E402
 
 PROMPT = "Hello there, tell me a story about a dragon"
 
@@ -34,7 +34,7 @@ def measure(llm: LLM, steps: int, rounds: int, sampling: dict | None = None) -> 
         replay_s[1] += 1
         return out
 
-    draw = sampling or {"temperature": 0}
+    draw = sampling or GREEDY
     engine, params = llm.llm_engine, SamplingParams(max_tokens=steps + 1, ignore_eos=True, **draw)
     llm.generate([PROMPT], SamplingParams(max_tokens=8, **draw), use_tqdm=False)
     rows = []

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
-from common import RESULTS, SAMPLED, drawn, save_results  # noqa: E402
+from common import GREEDY, RESULTS, SAMPLED, drawn, save_results  # noqa: E402
 
 from runtime import LLM, SamplingParams  # noqa: E402
 
@@ -41,7 +41,7 @@ def workload(n: int, low: int, high: int, vocab: int, seed: int = 0):
 
 
 def ours(llm: LLM, prompts, outputs, sampling: dict | None = None) -> float:
-    draw = sampling or {"temperature": 0}
+    draw = sampling or GREEDY
     params = [SamplingParams(**draw, max_tokens=m, ignore_eos=True) for m in outputs]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
     start = time.perf_counter()

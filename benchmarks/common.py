@@ -24,6 +24,7 @@ RESULTS = Path(__file__).parent / "results"
 # vLLM's quickstart sampling, which `--sampled` decodes with in every engine (llama.cpp and
 # HF with their top-k and min-p filters off, so all draw from the same nucleus).
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
+GREEDY = {"temperature": 0}
 
 
 def drawn(sampling: dict | None) -> str:
@@ -38,7 +39,7 @@ def decode_once(
 ) -> float:
     """One batch-1 decode of `tokens` tokens (EOS ignored), greedy or with `sampling`'s
     SamplingParams: tokens/s between the first and the last generated token."""
-    params = SamplingParams(**(sampling or {"temperature": 0}), max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(**(sampling or GREEDY), max_tokens=tokens, ignore_eos=True)
     return llm.generate([prompt], params, use_tqdm=False)[0].metrics.decode_tokens_per_s
 
 

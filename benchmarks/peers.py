@@ -71,10 +71,14 @@ def _llama_cpp_decode_here(
 ) -> float:
     from llama_cpp import Llama
 
-    draw = {"temp": 0.0, "top_k": 1}
-    if sampling:
-        draw = {"temp": sampling["temperature"], "top_p": sampling["top_p"], "top_k": 0}
-        draw["min_p"] = 0.0
+    draw = {"temp": 0.0, "top_k": 1}  # greedy
+    if sampling:  # top-k and min-p off, as in every engine
+        draw = {
+            "temp": sampling["temperature"],
+            "top_p": sampling["top_p"],
+            "top_k": 0,
+            "min_p": 0.0,
+        }
 
     llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
     try:

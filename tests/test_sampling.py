@@ -74,22 +74,30 @@ def test_temperature_sharpens(path):
     assert torch.allclose(cold / 3000, expect / expect.sum(), atol=0.03)
 
 
+@st.composite
+def filtered_rows(draw) -> tuple[torch.Tensor, SamplingParams]:
+    """A row of logits (small vocabularies, and ones past the draw's 4096-token blocks)
+    and params with each filter on about half the time."""
+    seed = draw(st.integers(0, 10**6))
+    vocab = draw(st.integers(4, 40) | st.integers(4097, 12000))
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed))
+    params = SamplingParams(
+        temperature=draw(st.floats(0.2, 2.0)),
+        top_k=draw(st.just(0) | st.integers(1, 60)),
+        top_p=draw(st.just(1.0) | st.floats(0.05, 0.999)),
+        min_p=draw(st.sampled_from([0.0, 0.01, 0.2])),
+    )
+    return logits * draw(st.floats(0.5, 8.0)), params
+
+
 @settings(max_examples=80, deadline=None)
-@given(
-    seed=st.integers(0, 10**6),
-    vocab=st.integers(4, 40) | st.integers(4097, 12000),
-    scale=st.floats(0.5, 8.0),
-    t=st.floats(0.2, 2.0),
-    top_k=st.just(0) | st.integers(1, 60),
-    top_p=st.just(1.0) | st.floats(0.05, 0.999),
-    min_p=st.sampled_from([0.0, 0.01, 0.2]),
-)
-def test_cpu_rows_keep_what_filter_logits_keeps(seed, vocab, scale, t, top_k, top_p, min_p):
+@given(row=filtered_rows())
+def test_cpu_rows_keep_what_filter_logits_keeps(row):
     """The numpy path finds the kept tokens without sorting the row (thresholds, then
     only the candidates sorted): its renormalized probabilities equal those of
     `filter_logits` (sort-based, vLLM's order) followed by a softmax."""
-    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
-    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
+    logits, params = row
+    vocab = logits.shape[0]
     ids, weights = kept_weights(logits.numpy(), params)
     got = np.zeros(vocab)
     got[slice(None) if ids is None else ids] = weights
@@ -136,20 +144,11 @@ def test_inverse_cdf_gives_each_token_its_share(kernel, seed, vocab, zeros):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=40, deadline=None)
-@given(
-    seed=st.integers(0, 10**6),
-    vocab=st.integers(4, 40) | st.integers(4097, 12000),
-    scale=st.floats(0.5, 8.0),
-    t=st.floats(0.2, 2.0),
-    top_k=st.just(0) | st.integers(1, 60),
-    top_p=st.just(1.0) | st.floats(0.05, 0.999),
-    min_p=st.sampled_from([0.0, 0.01, 0.2]),
-)
-def test_draws_follow_filter_logits(kernel, seed, vocab, scale, t, top_k, top_p, min_p):
+@given(row=filtered_rows())
+def test_draws_follow_filter_logits(kernel, row):
     """Draws on a grid land on each token as often as the sort-based `filter_logits` and a
     softmax say (within a grid step), and never on a token it drops."""
-    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
-    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)
+    logits, params = row
     probs = filter_logits(logits[None], [params])[0].softmax(-1).double().numpy()
     n = 1000
     share = _grid_shares(logits.numpy(), params, n, kernel)
