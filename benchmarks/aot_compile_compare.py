@@ -3,6 +3,7 @@
 per-call host time, each phase in a fresh process.
 
     python benchmarks/aot_compile_compare.py [--layers 4] [--calls 300] [--models host]
+        [--jobs 1]
 
 Both variants compile the same random-weight Llama (the default model's shapes, fewer
 layers, bf16) and run it with dense attention:
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,6 +118,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--models", default="warm start,host",
                         help="which rows per variant, comma-separated")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="rows measured side by side (their timings then share the cores: "
+                        "for smoke runs only)")  # fmt: skip
     parser.add_argument("--child", nargs=6, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -126,16 +131,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     chosen = args.models.split(",")
     if unknown := [m for m in chosen if m not in models]:
         parser.error(f"--models: unknown {unknown}; choose from {list(models)}")
-    rows = []
-    for variant in ("recipe", "recipe-whole", "aot"):
-        for label in chosen:
-            layers, width = models[label]
-            with tempfile.TemporaryDirectory() as cache:
-                common = (str(layers), str(width), cache, str(args.calls))
-                cold = _spawn(variant, "cold", *common)
-                warm = _spawn(variant, "warm", *common)
-            rows.append({"variant": variant, "model": label, "cold": cold, "warm": warm})
-            print(json.dumps(rows[-1]), flush=True)
+
+    def measure(variant: str, label: str) -> dict:
+        layers, width = models[label]
+        with tempfile.TemporaryDirectory() as cache:
+            common = (str(layers), str(width), cache, str(args.calls))
+            cold = _spawn(variant, "cold", *common)
+            warm = _spawn(variant, "warm", *common)
+        row = {"variant": variant, "model": label, "cold": cold, "warm": warm}
+        print(json.dumps(row), flush=True)
+        return row
+
+    todo = [(v, label) for v in ("recipe", "recipe-whole", "aot") for label in chosen]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        rows = list(pool.map(lambda job: measure(*job), todo))
     print("\n| variant | model | cold first call s | warm first call s | warm call us |")
     print("|---|---|---|---|---|")
     for r in rows:

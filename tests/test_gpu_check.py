@@ -31,6 +31,7 @@ def test_dry_run_passes_every_step(tmp_path):
         "decode_bandwidth", "passes_on_off", "tensor_parallel",
     ]  # fmt: skip
     assert all(r["status"] == "ok" for r in steps.values())
+    assert "skipped" in steps["gpu_tests"]["detail"]["summary"]  # collected, no device
     assert steps["graphs_vs_eager"]["detail"]["ratio"] > 0
     assert steps["decode_bandwidth"]["detail"]["of_copy"] > 0
     assert "| passes_on_off | ok |" in (tmp_path / "gpu_check.md").read_text()
