@@ -106,14 +106,16 @@ double weigh(const Row& row, float top, float* w, double* blocks, int64_t nblock
 int candidate_level(const float* w, int64_t V, int64_t k, double need) {
   for (int l = 0; l < kLevels; ++l) {
     const float t = kThresholds[l];
-    int64_t count = 0;
-    float mass = 0.f;
+    // The count in a float (exact below 2^24 tokens): a loop of one element type. With
+    // int64 counters beside float sums in a similar loop, GCC emitted an aligned vector
+    // load at a misaligned address (a crash standalone, wrong sums in the library).
+    float count = 0.f, mass = 0.f;
 #pragma omp simd reduction(+ : count, mass)
     for (int64_t i = 0; i < V; ++i) {
-      count += w[i] >= t;
+      count += w[i] >= t ? 1.f : 0.f;
       mass += w[i] >= t ? w[i] : 0.f;
     }
-    if (k > 0 ? count >= k : mass >= need) return l;
+    if (k > 0 ? count >= float(k) : mass >= need) return l;
   }
   return -1;
 }

@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +34,40 @@ def build() -> bool:
 def _kernel() -> ctypes.CDLL | None:
     lib = native.load_op_kernel(Path(__file__).with_suffix(".cpp"), "sample_rows_available")
     if lib is not None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.sample_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+        i64, pointer = ctypes.c_int64, ctypes.POINTER
+        lib.sample_rows.argtypes = [
+            ctypes.c_void_p, i64, i64, i64, pointer(ctypes.c_double), pointer(i64)
+        ]  # fmt: skip
         lib.sample_rows.restype = None
     return lib
+
+
+class _Buffers(threading.local):
+    """The kernel's argument buffers for each batch size and the address of the logits it
+    saw last (a weak reference: an engine's logits are not kept alive here), kept across
+    steps, per thread (a call releases the GIL, and two engines may step on two threads).
+    Cold after the weight stream, a fresh numpy spec array, an output array and three
+    `.ctypes.data` took ~85 us a batch-1 step, as long as the kernel itself
+    (benchmarks/NOTES.md, section 37)."""
+
+    def __init__(self):
+        self.by_rows: dict[int, tuple[ctypes.Array, ctypes.Array]] = {}
+        self.logits: weakref.ref | None = None
+        self.address = 0
+
+    def get(self, rows: int) -> tuple[ctypes.Array, ctypes.Array]:
+        if (found := self.by_rows.get(rows)) is None:
+            found = self.by_rows[rows] = (ctypes.c_double * (6 * rows))(), (ctypes.c_int64 * rows)()
+        return found
+
+    def pointer(self, logits: np.ndarray) -> int:
+        # A CPU graph hands back the same array every step.
+        if self.logits is None or self.logits() is not logits:
+            self.logits, self.address = weakref.ref(logits), logits.ctypes.data
+        return self.address
+
+
+_buffers = _Buffers()
 
 
 def sample_rows(
@@ -50,17 +82,14 @@ def sample_rows(
     lib = _kernel() if kernel else None
     if lib is None or logits.strides[1] != 4:
         return [sample_row(logits[i], p, u, out) for i, p, u in rows]
-    spec = np.array(
-        [(i, 1.0 / p.temperature, p.min_p, p.top_k if p.uses_top_k else 0, p.top_p, u)
-         for i, p, u in rows],
-        dtype=np.float64,
-    )  # fmt: skip
-    tokens = np.empty(len(rows), dtype=np.int64)
+    n = len(rows)
+    spec, tokens = _buffers.get(n)
+    for j, (i, p, u) in enumerate(rows):
+        top_k = p.top_k if p.uses_top_k else 0
+        spec[6 * j : 6 * j + 6] = (i, 1.0 / p.temperature, p.min_p, top_k, p.top_p, u)
     stride, vocab = logits.strides[0] // 4, logits.shape[1]
-    lib.sample_rows(
-        logits.ctypes.data, stride, vocab, len(rows), spec.ctypes.data, tokens.ctypes.data
-    )
-    return tokens.tolist()
+    lib.sample_rows(_buffers.pointer(logits), stride, vocab, n, spec, tokens)
+    return tokens[:n]
 
 
 # Candidate thresholds for top-k and top-p, as weights relative to the top token's: the

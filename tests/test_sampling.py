@@ -3,6 +3,8 @@ engine's seeded, stop-string, stop-token and logprob behaviour."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -177,6 +179,38 @@ def test_top_p_after_top_k_is_renormalized(kernel):
     params = SamplingParams(top_k=2, top_p=0.5)
     assert torch.isfinite(filter_logits(logits[None], [params])[0]).tolist() == [1, 0, 0, 0]
     assert _grid_shares(logits.numpy(), params, 100, kernel).tolist() == [1, 0, 0, 0]
+
+
+def test_two_threads_sampling_at_once_each_get_their_own_tokens():
+    """The kernel's argument buffers are kept per thread (a call releases the GIL, and two
+    engines may step on two threads): rows sampled on two threads at once, again and
+    again, give the tokens each gives alone."""
+    assert _kernel() is not None
+    gen = np.random.default_rng(0)
+    rows = {"a": gen.normal(0, 3, (2, 5000)), "b": gen.normal(0, 3, (2, 7000))}
+    rows = {k: v.astype(np.float32) for k, v in rows.items()}
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    grid = np.linspace(0.01, 0.99, 40).tolist()
+
+    def draws(name: str) -> list[list[int]]:
+        x = rows[name]
+        return [sample_rows(x, [(i, params, (u + i / 3) % 1) for i in range(len(x))]) for u in grid]
+
+    alone = {name: draws(name) for name in rows}
+    assert alone["a"] != alone["b"]  # same batch size: shared buffers would mix them
+    start = threading.Barrier(2)
+    together: dict[str, list] = {}
+
+    def run(name: str) -> None:
+        start.wait()
+        together[name] = [draws(name) for _ in range(25)]
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in rows]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(got == alone[name] for name in rows for got in together[name])
 
 
 @settings(max_examples=40, deadline=None)
