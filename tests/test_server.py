@@ -182,8 +182,8 @@ def test_32_concurrent_streams_equal_sequential_greedy(server, oracle):
 
 @pytest.mark.parametrize("prompts", [1, 2], ids=["one-prompt", "two-prompts"])
 def test_disconnect_mid_stream_frees_the_request(server, prompts):
-    """One prompt's deltas are read straight from its stream, several through a merge:
-    either way the requests are aborted when the client goes away."""
+    """One prompt's stream or several merged: the requests are aborted when the client
+    goes away."""
     base, engine = server
     prompt = PROMPTS[3] if prompts == 1 else [PROMPTS[3], PROMPTS[2]]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "stream": True,

@@ -12,7 +12,6 @@ full. A client that disconnects mid-stream aborts its request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import time
@@ -301,24 +300,42 @@ class _Server:
     async def _merged(self, streams: list) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Deltas of every prompt's stream as they come, with the prompt's index; the
         requests are aborted when the client goes away (or anything else ends this)."""
+        queue: asyncio.Queue = asyncio.Queue()
         start = time.perf_counter()
         last: dict[int, float] = {}
+
+        async def pump(i: int, stream) -> None:
+            try:
+                async for delta in stream:
+                    await queue.put((i, delta))
+            except RequestFailedError as e:
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        open_streams = len(tasks)
         status = "200"
         try:
-            async with contextlib.aclosing(_interleaved(streams)) as deltas:
-                async for i, item in deltas:
-                    if isinstance(item, RequestFailedError):
-                        status = "500"
-                        raise APIError(500, str(item))
-                    now = time.perf_counter()
-                    if item.token_ids:
-                        self.metrics.observe_token(now - last.get(i, start), first=i not in last)
-                        last[i] = now
-                    yield i, item
+            while open_streams:
+                i, item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, RequestFailedError):
+                    status = "500"
+                    raise APIError(500, str(item))
+                now = time.perf_counter()
+                if item.token_ids:
+                    self.metrics.observe_token(now - last.get(i, start), first=i not in last)
+                    last[i] = now
+                yield i, item
         except (asyncio.CancelledError, GeneratorExit):
             status = "disconnected"
             raise
         finally:
+            for task in tasks:
+                task.cancel()
             for s in streams:
                 await s.aclose()
             self.metrics.count(status)
@@ -342,43 +359,6 @@ class _Server:
                 prev.logprobs += d.logprobs
                 prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
         return out
-
-
-async def _interleaved(streams: list) -> AsyncIterator[tuple[int, Any]]:
-    """(prompt index, delta or RequestFailedError) from every stream as they come. One
-    stream (every chat request, most completions) is read directly: a task and a queue
-    per stream would add two task switches to each token on the event loop, which shares
-    the engine's two cores (benchmarks/NOTES.md, section 29)."""
-    if len(streams) == 1:
-        try:
-            async for delta in streams[0]:
-                yield 0, delta
-        except RequestFailedError as e:
-            yield 0, e
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream) -> None:
-        try:
-            async for delta in stream:
-                await queue.put((i, delta))
-        except RequestFailedError as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    open_streams = len(tasks)
-    try:
-        while open_streams:
-            i, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-                continue
-            yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 def _sse(payload: dict) -> str:
