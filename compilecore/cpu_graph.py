@@ -16,6 +16,10 @@ capture runs the forward once with
   fallback), and a profile hook that counts kernel calls the recorders missed,
 
 and the replay calls the recorded functions in order from C: no Python between kernels.
+An op may record a team function (`record_native_call(team=n)`): the replay opens one
+OpenMP team of n threads for each run of such calls and calls every function of the run on
+every thread, a barrier between calls. At batch 1 the layer ops and the attention between
+them are team functions, so the step's middle is one parallel region, not ~90.
 
 Unfused (one decode step at batch 1, SmolLM2: ~130 Python-level calls):
 
@@ -68,18 +72,49 @@ def _executor_source() -> str:
         cases.append(f"    case {n}: reinterpret_cast<void (*)({params})>(fn)({args}); break;")
     body = "\n".join(cases)
     # Every recorded argument is a pointer or an int64: both travel in the same registers
-    # (and stack slots) in the x86-64 and AArch64 C calling conventions.
+    # (and stack slots) in the x86-64 and AArch64 C calling conventions. A call's header
+    # holds its argument count and, above bit 16, its team size (0: a plain call).
     return f"""#include <cstdint>
 typedef int64_t i64;
-extern "C" void run_program(const i64* p, i64 num_calls) {{
-  for (i64 i = 0; i < num_calls; ++i) {{
-    const i64 nargs = p[0];
-    void* fn = reinterpret_cast<void*>(p[1]);
-    const i64* a = p + 2;
-    switch (nargs) {{
+static inline i64 team_of(const i64* p) {{ return p[0] >> 16; }}
+static inline void call(const i64* p) {{
+  void* fn = reinterpret_cast<void*>(p[1]);
+  const i64* a = p + 2;
+  switch (p[0] & 0xffff) {{
 {body}
+  }}
+}}
+static inline const i64* next(const i64* p) {{ return p + 2 + (p[0] & 0xffff); }}
+extern "C" void run_program(const i64* p, i64 num_calls) {{
+  for (i64 i = 0; i < num_calls;) {{
+    const i64 team = team_of(p);
+    if (team == 0) {{
+      call(p);
+      p = next(p);
+      ++i;
+      continue;
     }}
-    p += 2 + nargs;
+    // A run of team calls with the same team size: one parallel region, every thread
+    // calls each function in turn, a barrier between calls (each reads what the last wrote).
+    i64 end = i;
+    const i64* q = p;
+    while (end < num_calls && team_of(q) == team) {{
+      q = next(q);
+      ++end;
+    }}
+#pragma omp parallel num_threads(team)
+    {{
+      const i64* r = p;
+      for (i64 c = i; c < end; ++c) {{
+        if (c > i) {{
+#pragma omp barrier
+        }}
+        call(r);
+        r = next(r);
+      }}
+    }}
+    p = q;
+    i = end;
   }}
 }}
 """
@@ -87,7 +122,8 @@ extern "C" void run_program(const i64* p, i64 num_calls) {{
 
 @functools.cache
 def _executor(root: Path) -> Any:
-    lib = load_library(_executor_source(), "cpu_graph", root, ["-O2", "-shared", "-fPIC"])
+    flags = ["-O2", "-fopenmp", "-shared", "-fPIC"]
+    lib = load_library(_executor_source(), "cpu_graph", root, flags)
     lib.run_program.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.run_program.restype = None
     return lib.run_program
@@ -95,7 +131,7 @@ def _executor(root: Path) -> Any:
 
 class _Capture:
     def __init__(self) -> None:
-        self.calls: list[tuple[int, list[int]]] = []
+        self.calls: list[tuple[int, list[int], int]] = []
         self.keep: list[Any] = []
         self.checks: list[Callable[[], str | None]] = []
         self.failure: str | None = None
@@ -108,6 +144,7 @@ class _Capture:
         what: str,
         keep: Sequence[Any] = (),
         check: Callable[[], str | None] | None = None,
+        team: int = 0,
     ) -> None:
         self.keep.extend(keep)
         if check is not None and check not in self.checks:
@@ -124,7 +161,7 @@ class _Capture:
                 return
         if len(values) > MAX_ARGS:
             self.fail(f"{what} takes {len(values)} arguments (at most {MAX_ARGS})")
-        self.calls.append((address, values))
+        self.calls.append((address, values, team))
 
     def fail(self, reason: str) -> None:
         self.failure = self.failure or reason
@@ -256,15 +293,15 @@ class CpuGraph:
 
     def __init__(
         self,
-        calls: list[tuple[int, list[int]]],
+        calls: list[tuple[int, list[int], int]],
         keep: list,
         outputs: Any,
         run: Callable[[int, int], None],
         checks: Sequence[Callable[[], str | None]] = (),
     ):
         flat: list[int] = []
-        for address, args in calls:
-            flat += [len(args), address, *args]
+        for address, args, team in calls:
+            flat += [len(args) | team << 16, address, *args]
         self.program = torch.tensor(flat, dtype=torch.int64)
         self.num_calls = len(calls)
         self.keep, self.outputs, self._run = keep, outputs, run

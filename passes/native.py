@@ -54,13 +54,17 @@ def record_native_call(
     what: str = "a native op",
     keep: Sequence[Any] = (),
     check: Callable[[], str | None] | None = None,
+    team: int = 0,
 ) -> None:
     """Called by ops that run C code, with their function's address and its integer or
     tensor arguments, while a CPU graph is captured; a no-op otherwise. `keep`: objects
     the graph must hold while it lives (what integer arguments point into); `check`: run
-    after each replay, returns why the replay failed or None."""
+    after each replay, returns why the replay failed or None. `team`: the function is a
+    team function for that many threads: the replay calls it on every thread of an
+    OpenMP team it opens once for a run of such calls (the function splits its work by
+    `omp_get_thread_num()` and may use orphaned barriers), with a barrier after it."""
     if _recorder is not None:
-        _recorder.record(address, args, what, keep, check)
+        _recorder.record(address, args, what, keep, check, team)
 
 
 def refuse(reason: str) -> None:

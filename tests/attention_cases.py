@@ -145,10 +145,15 @@ def build_case(b: Batch) -> Case:
 
 def run_and_check(case: Case, backend, tol: float = 1e-5) -> torch.Tensor:
     """Run the backend; check outputs against the dense oracle and the cache writes."""
+    out = torch.full_like(case.q, float("nan"))
+    backend.forward(case.layer, case.q, case.k, case.v, out, case.meta)
+    return check_case(case, out, tol)
+
+
+def check_case(case: Case, out: torch.Tensor, tol: float = 1e-5) -> torch.Tensor:
+    """`out` and the cache against the dense oracle and the slots the batch writes."""
     layer, meta = case.layer, case.meta
     h, kvh, d = layer.num_heads, layer.num_kv_heads, layer.head_size
-    out = torch.full_like(case.q, float("nan"))
-    backend.forward(layer, case.q, case.k, case.v, out, meta)
     starts = meta.query_start_loc_cpu
     for i, (k, v) in enumerate(case.full_kv):
         s, e = starts[i], starts[i + 1]

@@ -10,11 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compilecore import cpu_graph
 from runtime import LLM, SamplingParams
 from runtime.attention import TorchPagedAttentionBackend
 from runtime.attention.cpu_build import load_cpu_kernels
 from runtime.attention.cpu_paged import PARALLEL_MIN_WORK, CpuPagedAttentionBackend
-from tests.attention_cases import Batch, batches, build_case, run_and_check
+from tests.attention_cases import Batch, batches, build_case, check_case, run_and_check
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 SHAPES = dict(
@@ -80,6 +81,42 @@ def test_split_decode_equals_dense(batch):
     longest = max(ctx + q for ctx, q in batch.seqs)
     parts = load_cpu_kernels().decode_parts(len(batch.seqs) * batch.kv_heads, longest, threads)
     assert threads == 2 and parts > 1  # the case took the split path
+
+
+@st.composite
+def decode_batches(draw):
+    """Decode-only batches as a CPU graph replays them: short contexts (one part per
+    sequence) and long ones with few pairs (split into parts)."""
+    kv_heads = draw(st.integers(1, 3))
+    seqs = [(draw(st.integers(0, 300)), 1) for _ in range(draw(st.integers(1, 5)))]
+    return Batch(block_size=draw(st.sampled_from([1, 16])), kv_heads=kv_heads,
+                 heads=kv_heads * draw(st.sampled_from([1, 3])),
+                 head_size=draw(st.sampled_from([40, 64])), seqs=seqs,
+                 padding=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)),
+                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])))  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=decode_batches())
+def test_team_decode_in_a_replay_equals_dense(tmp_path_factory, batch):
+    """A CPU graph records the KV write and decode as team functions and replays them in
+    one OpenMP team (work shared by orphaned loops, split parts merged after a barrier):
+    still dense attention, and the same slots written."""
+    case = build_case(batch)
+    out = torch.full_like(case.q, float("nan"))
+
+    def step():
+        CpuPagedAttentionBackend(num_threads=2).forward(
+            case.layer, case.q, case.k, case.v, out, case.meta
+        )
+        return out
+
+    _, graph = cpu_graph.capture(step, tmp_path_factory.getbasetemp())
+    program = graph.program.tolist()
+    assert graph.num_calls == 2 and program[0] >> 16 == 2  # team calls for two threads
+    out.fill_(float("nan"))
+    case.layer.kv_cache.copy_(case.cache_before)  # the replay writes the slots again
+    check_case(case, graph.replay(), TOL[batch.dtype])
 
 
 def test_bf16_rounding_matches_torch():

@@ -166,6 +166,50 @@ def test_recorded_native_call_is_replayed(tmp_path):
     assert graph.num_calls == 1
 
 
+TEAM_SOURCE = r"""
+#include <cstdint>
+#include <omp.h>
+#include <unistd.h>
+extern "C" {
+// Each thread writes its number + 1, all but the first after a delay.
+void mark(int64_t* slots) {
+  const int t = omp_get_thread_num();
+  if (t) usleep(20000);
+  slots[t] = t + 1;
+}
+// Each thread sums what every thread of the team wrote before.
+void gather(const int64_t* slots, int64_t* sums) {
+  int64_t s = 0;
+  for (int i = 0; i < omp_get_num_threads(); ++i) s += slots[i];
+  sums[omp_get_thread_num()] = s;
+}
+void team_size(int64_t* out) { out[omp_get_thread_num()] = omp_get_num_threads(); }
+}
+"""
+
+
+def test_team_calls_run_in_one_team_with_a_barrier_between(tmp_path):
+    """Consecutive team calls run on every thread of one OpenMP team, each after the
+    last one finished on all threads; a plain call between them runs outside it."""
+    from passes.native import function_address, load_library
+
+    lib = load_library(TEAM_SOURCE, "team_test", tmp_path)
+    slots, sums = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    sizes = torch.zeros(3, dtype=torch.int64)
+
+    def step():
+        record = cpu_graph.record_native_call
+        record(function_address(lib.mark), [slots], "mark", team=2)
+        record(function_address(lib.gather), [slots, sums], "gather", team=2)
+        record(function_address(lib.team_size), [sizes[2:]], "team_size")
+        record(function_address(lib.team_size), [sizes[:2]], "team_size", team=2)
+        return sums
+
+    _, graph = cpu_graph.capture(step, tmp_path)
+    assert graph.replay().tolist() == [3, 3]  # thread 0 waited for thread 1's late write
+    assert sizes.tolist() == [2, 2, 1]
+
+
 def test_cpu_graphs_switch_off(tiny_llama, tmp_path):
     llm = LLM(
         str(tiny_llama[0]),

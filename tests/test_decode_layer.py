@@ -128,6 +128,7 @@ def test_the_engine_fuses_the_middle_piece_at_batch_1(tiny_llama, tmp_path):
         assert isinstance(llm.llm_engine.runner.cpu_graphs[1], cpu_graph.CpuGraph)
     graph = llm.llm_engine.runner.cpu_graphs[1]
     assert isinstance(graph, cpu_graph.CpuGraph)
-    address = native.function_address(op._kernel().decode_layer_bf16)
-    assert address in graph.program.tolist()
+    program = graph.program.tolist()  # the op recorded as a team function for the pool
+    at = program.index(native.function_address(op._kernel().decode_layer_team_bf16))
+    assert program[at - 1] >> 16 == torch.get_num_threads()
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8

@@ -192,58 +192,72 @@ inline void rope(float* x, const float* cos_sin, int64_t rotary_dim) {
   }
 }
 
-void run(const Piece& p) {
+// The layer on the calling thread's share of the team: every thread of a parallel region
+// calls it (from `decode_layer_bf16`'s own region, or from a CPU graph's team region that
+// also runs the step's attention, so the threads never leave between layers).
+void run_in_team(const Piece& p) {
   const int64_t H = p.hidden, I = p.inter, D = p.head_dim;
   const int64_t local = 3 * H + (p.q_size > H ? p.q_size : H);
   float* shared_h = p.scratch + p.threads * local;  // o_proj output, then down's
   float* shared_m = shared_h + (I > H ? I : H);     // silu(g) * u
   float* shared_gu = shared_m + I;                   // gate_up's output
-#pragma omp parallel num_threads(p.threads)
+  const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+  float* s = p.scratch + t * local;  // this thread's copy of the residual stream
+  float* x = s + H;                  // its normalized input to the next product
+  float* a = x + H;                  // attention output (fp32), then a head's rows
+  for (int64_t i = 0; i < p.q_size; ++i) a[i] = to_f32(p.attn[i]);
+  for (int64_t r = H * t / T; r < H * (t + 1) / T; ++r)
+    shared_h[r] = round_bf16(dot(a, p.w_o + r * p.q_size, p.q_size));
+#pragma omp barrier
+  add_round(shared_h, p.residual, s, H);
+  rms_norm(s, p.w_post, p.eps, H, x);
+  // gate_up split by rows like any product (one sequential run per thread: reading
+  // gate and up rows in turn split each thread's stream and read slower), then SiLU.
+  for (int64_t r = 2 * I * t / T; r < 2 * I * (t + 1) / T; ++r)
+    shared_gu[r] = round_bf16(dot(x, p.w_gate_up + r * H, H));
+#pragma omp barrier
   {
-    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-    float* s = p.scratch + t * local;  // this thread's copy of the residual stream
-    float* x = s + H;                  // its normalized input to the next product
-    float* a = x + H;                  // attention output (fp32), then a head's rows
-    for (int64_t i = 0; i < p.q_size; ++i) a[i] = to_f32(p.attn[i]);
-    for (int64_t r = H * t / T; r < H * (t + 1) / T; ++r)
-      shared_h[r] = round_bf16(dot(a, p.w_o + r * p.q_size, p.q_size));
-#pragma omp barrier
-    add_round(shared_h, p.residual, s, H);
-    rms_norm(s, p.w_post, p.eps, H, x);
-    // gate_up split by rows like any product (one sequential run per thread: reading
-    // gate and up rows in turn split each thread's stream and read slower), then SiLU.
-    for (int64_t r = 2 * I * t / T; r < 2 * I * (t + 1) / T; ++r)
-      shared_gu[r] = round_bf16(dot(x, p.w_gate_up + r * H, H));
-#pragma omp barrier
-    {
-      int64_t j = I * t / T;
-      const int64_t j1 = I * (t + 1) / T;
+    int64_t j = I * t / T;
+    const int64_t j1 = I * (t + 1) / T;
 #if defined(__AVX512F__)
-      for (; j + 16 <= j1; j += 16) silu_mul16(shared_gu + j, shared_gu + I + j, shared_m + j);
+    for (; j + 16 <= j1; j += 16) silu_mul16(shared_gu + j, shared_gu + I + j, shared_m + j);
 #endif
-      for (; j < j1; ++j) shared_m[j] = round_bf16(round_bf16(silu(shared_gu[j])) * shared_gu[I + j]);
-    }
-#pragma omp barrier
-    for (int64_t r = H * t / T; r < H * (t + 1) / T; ++r)
-      shared_h[r] = round_bf16(dot(shared_m, p.w_down + r * I, I));
-#pragma omp barrier
-    add_round(shared_h, s, s, H);
-    if (t == 0)
-      for (int64_t i = 0; i < H; ++i) p.residual_out[i] = to_bf16(s[i]);
-    rms_norm(s, p.w_in, p.eps, H, x);
-    // Whole heads per thread: q heads, then k heads, then v heads.
-    const int64_t q_heads = p.q_size / D, kv_heads = p.kv_size / D;
-    const int64_t heads = q_heads + 2 * kv_heads;
-    const float* cos_sin = p.cos_sin + p.position[0] * p.rotary_dim;
-    for (int64_t hd = heads * t / T; hd < heads * (t + 1) / T; ++hd) {
-      for (int64_t i = 0; i < D; ++i) a[i] = round_bf16(dot(x, p.w_qkv + (hd * D + i) * H, H));
-      bf16* out = hd < q_heads ? p.q + hd * D
-                  : hd < q_heads + kv_heads ? p.k + (hd - q_heads) * D
-                                            : p.v + (hd - q_heads - kv_heads) * D;
-      if (hd < q_heads + kv_heads) rope(a, cos_sin, p.rotary_dim);
-      for (int64_t i = 0; i < D; ++i) out[i] = to_bf16(a[i]);
-    }
+    for (; j < j1; ++j) shared_m[j] = round_bf16(round_bf16(silu(shared_gu[j])) * shared_gu[I + j]);
   }
+#pragma omp barrier
+  for (int64_t r = H * t / T; r < H * (t + 1) / T; ++r)
+    shared_h[r] = round_bf16(dot(shared_m, p.w_down + r * I, I));
+#pragma omp barrier
+  add_round(shared_h, s, s, H);
+  if (t == 0)
+    for (int64_t i = 0; i < H; ++i) p.residual_out[i] = to_bf16(s[i]);
+  rms_norm(s, p.w_in, p.eps, H, x);
+  // Whole heads per thread: q heads, then k heads, then v heads.
+  const int64_t q_heads = p.q_size / D, kv_heads = p.kv_size / D;
+  const int64_t heads = q_heads + 2 * kv_heads;
+  const float* cos_sin = p.cos_sin + p.position[0] * p.rotary_dim;
+  for (int64_t hd = heads * t / T; hd < heads * (t + 1) / T; ++hd) {
+    for (int64_t i = 0; i < D; ++i) a[i] = round_bf16(dot(x, p.w_qkv + (hd * D + i) * H, H));
+    bf16* out = hd < q_heads ? p.q + hd * D
+                : hd < q_heads + kv_heads ? p.k + (hd - q_heads) * D
+                                          : p.v + (hd - q_heads - kv_heads) * D;
+    if (hd < q_heads + kv_heads) rope(a, cos_sin, p.rotary_dim);
+    for (int64_t i = 0; i < D; ++i) out[i] = to_bf16(a[i]);
+  }
+}
+
+Piece make_piece(const bf16* attn, const bf16* residual, const bf16* w_o, const bf16* w_post,
+                 const bf16* w_gate_up, const bf16* w_down, const bf16* w_in,
+                 const bf16* w_qkv, const float* cos_sin, const int64_t* position, bf16* q,
+                 bf16* k, bf16* v, bf16* residual_out, float* scratch, int64_t hidden,
+                 int64_t q_size, int64_t kv_size, int64_t inter, int64_t head_dim,
+                 int64_t rotary_dim, int64_t eps_bits, int64_t threads) {
+  float eps;
+  const uint32_t bits = uint32_t(eps_bits);
+  std::memcpy(&eps, &bits, 4);
+  return Piece{attn, residual, w_o, w_post, w_gate_up, w_down, w_in, w_qkv, cos_sin, position,
+               q, k, v, residual_out, scratch, hidden, q_size, kv_size, inter, head_dim,
+               rotary_dim, threads, eps};
 }
 
 }  // namespace
@@ -274,19 +288,25 @@ int64_t decode_layer_scratch(int64_t hidden, int64_t q_size, int64_t inter, int6
 }
 
 // Pointers and sizes as int64, so a CPU graph records the call like any other.
-void decode_layer_bf16(const bf16* attn, const bf16* residual, const bf16* w_o,
-                       const bf16* w_post, const bf16* w_gate_up, const bf16* w_down,
-                       const bf16* w_in, const bf16* w_qkv, const float* cos_sin,
-                       const int64_t* position, bf16* q, bf16* k, bf16* v, bf16* residual_out,
-                       float* scratch, int64_t hidden, int64_t q_size, int64_t kv_size,
-                       int64_t inter, int64_t head_dim, int64_t rotary_dim, int64_t eps_bits,
-                       int64_t threads) {
-  float eps;
-  const uint32_t bits = uint32_t(eps_bits);
-  std::memcpy(&eps, &bits, 4);
-  run(Piece{attn, residual, w_o, w_post, w_gate_up, w_down, w_in, w_qkv, cos_sin, position,
-            q, k, v, residual_out, scratch, hidden, q_size, kv_size, inter, head_dim,
-            rotary_dim, threads, eps});
+#define DECODE_LAYER_PARAMS                                                                  \
+  const bf16 *attn, const bf16 *residual, const bf16 *w_o, const bf16 *w_post,               \
+      const bf16 *w_gate_up, const bf16 *w_down, const bf16 *w_in, const bf16 *w_qkv,        \
+      const float *cos_sin, const int64_t *position, bf16 *q, bf16 *k, bf16 *v,              \
+      bf16 *residual_out, float *scratch, int64_t hidden, int64_t q_size, int64_t kv_size,   \
+      int64_t inter, int64_t head_dim, int64_t rotary_dim, int64_t eps_bits, int64_t threads
+#define DECODE_LAYER_ARGS                                                                     \
+  attn, residual, w_o, w_post, w_gate_up, w_down, w_in, w_qkv, cos_sin, position, q, k, v,   \
+      residual_out, scratch, hidden, q_size, kv_size, inter, head_dim, rotary_dim, eps_bits,  \
+      threads
+
+void decode_layer_bf16(DECODE_LAYER_PARAMS) {
+  const Piece p = make_piece(DECODE_LAYER_ARGS);
+#pragma omp parallel num_threads(threads)
+  run_in_team(p);
 }
+
+// The same layer as a team function (passes/native.py: `record_native_call(team=...)`):
+// called on every thread of a region the caller opened with at most `threads` threads.
+void decode_layer_team_bf16(DECODE_LAYER_PARAMS) { run_in_team(make_piece(DECODE_LAYER_ARGS)); }
 
 }  // extern "C"

@@ -126,8 +126,10 @@ def decode_layer(
     if native.is_capturing():  # a CPU graph replays this call on the same buffers
         if cos_sin is not cos_sin_cache or position is not positions:
             native.refuse("compilecore.decode_layer on a converted cos/sin cache or positions")
-        address = native.function_address(lib.decode_layer_bf16)
-        native.record_native_call(address, args, "compilecore.decode_layer")
+        # As a team function: the replay runs the layers and the attention between them
+        # in one OpenMP team, no region opened and closed per call.
+        address = native.function_address(lib.decode_layer_team_bf16)
+        native.record_native_call(address, args, "compilecore.decode_layer", team=threads)
     return q, k, v, s
 
 

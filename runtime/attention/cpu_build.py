@@ -38,6 +38,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         decode = getattr(lib, f"decode_{name}")
         decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64] + [i64] * 5 + [f32, i64]
         decode.restype = None
+    lib.decode_team_states.argtypes = [i64] * 4
+    lib.decode_team_states.restype = i64
     lib.decode_parts.argtypes = [i64, i64, i64]
     lib.decode_parts.restype = i64
     lib.max_group_dims.restype = i64

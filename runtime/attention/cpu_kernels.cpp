@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <omp.h>
 #include <vector>
 
 namespace {
@@ -367,6 +368,45 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
              out + s * out_stride + h * group * head_size);
 }
 
+// The KV write and decode on the calling thread's share of an OpenMP team that a CPU
+// graph's replay keeps open across the step's layers (compilecore/cpu_graph.py): no pool
+// to wake per call, so both threads work at any length. Orphaned worksharing loops bind to
+// that team; their implicit barriers order the parts' states before their merge.
+template <typename T>
+void write_kv_team(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T* k_cache,
+                   T* v_cache, const int64_t* slots, int64_t num_tokens, int64_t row) {
+  const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+  const int64_t first = num_tokens * t / n, last = num_tokens * (t + 1) / n;
+  write_kv(k + first * k_stride, k_stride, v + first * v_stride, v_stride, k_cache, v_cache,
+           slots + first, last - first, row);
+}
+
+template <typename T>
+void decode_team(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+                 const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens, T* out,
+                 int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                 int64_t head_size, int64_t block_size, float scale, float* states) {
+  const int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads;
+  const int64_t parts = num_parts(pairs, longest(seq_lens, num_seqs), omp_get_num_threads());
+  const int64_t size = state_size(group, head_size);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t task = 0; task < pairs * parts; ++task) {
+    const int64_t s = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
+    const int64_t p = task % parts, first = h * group * head_size, len = seq_lens[s];
+    float local[kMaxGroupDims + 2 * kMaxGroup];
+    float* state = parts > 1 ? states + task * size : local;
+    decode_task(q + s * q_stride + first, k_cache, v_cache, block_table + s * bt_stride,
+                len * p / parts, len * (p + 1) / parts, state, group, num_kv_heads, h,
+                head_size, block_size, scale);
+    if (parts == 1) finish(state, 1, group, head_size, out + s * out_stride + first);
+  }
+  if (parts == 1) return;
+#pragma omp for nowait
+  for (int64_t pair = 0; pair < pairs; ++pair)
+    finish(states + pair * parts * size, parts, group, head_size,
+           out + pair / num_kv_heads * out_stride + pair % num_kv_heads * group * head_size);
+}
+
 }  // namespace
 
 extern "C" {
@@ -377,6 +417,11 @@ int64_t decode_parts(int64_t pairs, int64_t longest_len, int64_t num_threads) {
   return num_parts(pairs, longest_len, num_threads);
 }
 int64_t max_group() { return kMaxGroup; }
+// Floats of split-KV state `decode_team_*` needs for a batch.
+int64_t decode_team_states(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_size) {
+  return num_seqs * num_kv_heads * kMaxParts * state_size(num_heads / num_kv_heads, head_size);
+}
 
 #define COMPILECORE_KERNELS(NAME, T)                                                       \
   void write_kv_##NAME(const T* k, int64_t k_stride, const T* v, int64_t v_stride,        \
@@ -393,19 +438,21 @@ int64_t max_group() { return kMaxGroup; }
            out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,    \
            num_threads);                                                                   \
   }                                                                                        \
-  /* The same decode with integer-only arguments, for a CPU graph (compilecore/cpu_graph) \
-     that replays it with the step's values read from the metadata buffers: the thread  \
-     count follows the longest sequence, as the Python caller decides it per step. */    \
-  void decode_graph_##NAME(const T* q, int64_t q_stride, const T* k_cache,                 \
-                           const T* v_cache, const int32_t* block_table, int64_t bt_stride, \
-                           const int32_t* seq_lens, T* out, int64_t out_stride,            \
-                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,      \
-                           int64_t head_size, int64_t block_size, const float* scale,      \
-                           int64_t max_threads, int64_t min_parallel_work) {               \
-    const int64_t work = num_seqs * num_kv_heads * longest(seq_lens, num_seqs);            \
-    decode(q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out,           \
-           out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size, *scale,   \
-           work >= min_parallel_work ? max_threads : 1);                                   \
+  /* Team functions (see write_kv_team): called on every thread of a replay's region. */   \
+  void write_kv_team_##NAME(const T* k, int64_t k_stride, const T* v, int64_t v_stride,   \
+                            T* k_cache, T* v_cache, const int64_t* slots,                  \
+                            int64_t num_tokens, int64_t row) {                             \
+    write_kv_team(k, k_stride, v, v_stride, k_cache, v_cache, slots, num_tokens, row);     \
+  }                                                                                        \
+  void decode_team_##NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, \
+                          const int32_t* block_table, int64_t bt_stride,                   \
+                          const int32_t* seq_lens, T* out, int64_t out_stride,             \
+                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,       \
+                          int64_t head_size, int64_t block_size, const float* scale,       \
+                          float* states) {                                                 \
+    decode_team(q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out,      \
+                out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size,      \
+                *scale, states);                                                           \
   }
 
 COMPILECORE_KERNELS(f32, float)

@@ -41,8 +41,9 @@ class _Bound:
     cache: torch.Tensor
     write: Any
     decode: Any
-    graph_decode: Any  # the decode with integer-only arguments (CPU graphs)
-    scale: torch.Tensor  # the softmax scale as a tensor, for graph_decode
+    team_write: Any  # the same calls as team functions, for CPU graphs (integer arguments)
+    team_decode: Any
+    scale: torch.Tensor  # the softmax scale as a tensor, for team_decode
     k_cache: int
     v_cache: int
     row: int  # elements per cache slot
@@ -79,7 +80,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             cache=kv_cache,
             write=getattr(self.lib, f"write_kv_{suffix}"),
             decode=getattr(self.lib, f"decode_{suffix}"),
-            graph_decode=getattr(self.lib, f"decode_graph_{suffix}"),
+            team_write=getattr(self.lib, f"write_kv_team_{suffix}"),
+            team_decode=getattr(self.lib, f"decode_team_{suffix}"),
             scale=torch.tensor([layer.scale], dtype=torch.float32),
             k_cache=k_cache,
             v_cache=k_cache + kv_cache[0].numel() * kv_cache.element_size(),
@@ -122,29 +124,34 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
 
     def _record(self, bound: _Bound, step: _Step, q, k, v, output) -> None:
         """The calls above, for a CPU graph: the replay reads the step's lengths and
-        tables from the same metadata buffers."""
+        tables from the same metadata buffers. Recorded as team functions: the replay runs
+        them and the layer ops between them in one OpenMP team (compilecore/cpu_graph.py),
+        so decode splits over the threads at any length (no pool to wake per call)."""
         rows = {name: _rows(t) for name, t in (("q", q), ("k", k), ("v", v))}
         if step.prefill is not None:
             return native.refuse("CPU attention: prefill chunks run in Python")
         if any(rows[n].data_ptr() != t.data_ptr() for n, t in (("q", q), ("k", k), ("v", v))):
             return native.refuse("CPU attention: q/k/v rows are copied per call")
         q, k, v = rows["q"], rows["k"], rows["v"]
-        address = native.function_address
+        address, team = native.function_address, self.num_threads
         if step.num_tokens:
             native.record_native_call(
-                address(bound.write),
+                address(bound.team_write),
                 [k, k.stride(0), v, v.stride(0), bound.k_cache, bound.v_cache,
                  step.keep[0], step.num_tokens, bound.row],
-                "CPU attention (KV write)",
+                "CPU attention (KV write)", team=team,
             )  # fmt: skip
         if step.num_decodes:
+            heads, kv_heads, head_size = bound.shape[:3]
+            states = torch.empty(
+                self.lib.decode_team_states(step.num_decodes, heads, kv_heads, head_size)
+            )  # split-KV parts' softmax states, until their merge
             native.record_native_call(
-                address(bound.graph_decode),
+                address(bound.team_decode),
                 [q, q.stride(0), bound.k_cache, bound.v_cache, step.keep[1],
                  step.block_table_stride, step.keep[2], output, output.stride(0),
-                 step.num_decodes, *bound.shape[:4], bound.scale, self.num_threads,
-                 PARALLEL_MIN_WORK],
-                "CPU attention (decode)",
+                 step.num_decodes, *bound.shape[:4], bound.scale, states],
+                "CPU attention (decode)", team=team,
             )  # fmt: skip
 
     def _step(self, meta: AttentionMetadata, layer, kv_cache: torch.Tensor) -> _Step:
