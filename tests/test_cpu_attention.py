@@ -63,6 +63,11 @@ def split_batches(draw):
     seqs = [(first, 1)]
     if kv_heads == 1 and draw(st.booleans()):
         seqs.append((draw(st.integers(0, 400)), 1))
+    return _decode_batch(draw, kv_heads, seqs)
+
+
+def _decode_batch(draw, kv_heads: int, seqs: list[tuple[int, int]]) -> Batch:
+    """The rest of a decode batch's shape, drawn: block size, group, head size, padding."""
     return Batch(block_size=draw(st.sampled_from([1, 16])), kv_heads=kv_heads,
                  heads=kv_heads * draw(st.sampled_from([1, 3])),
                  head_size=draw(st.sampled_from([40, 64])), seqs=seqs,
@@ -89,11 +94,7 @@ def decode_batches(draw):
     sequence) and long ones with few pairs (split into parts)."""
     kv_heads = draw(st.integers(1, 3))
     seqs = [(draw(st.integers(0, 300)), 1) for _ in range(draw(st.integers(1, 5)))]
-    return Batch(block_size=draw(st.sampled_from([1, 16])), kv_heads=kv_heads,
-                 heads=kv_heads * draw(st.sampled_from([1, 3])),
-                 head_size=draw(st.sampled_from([40, 64])), seqs=seqs,
-                 padding=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)),
-                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])))  # fmt: skip
+    return _decode_batch(draw, kv_heads, seqs)
 
 
 @settings(max_examples=40, deadline=None)

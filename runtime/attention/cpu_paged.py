@@ -23,7 +23,8 @@ from runtime.attention.torch_paged import TorchPagedAttentionBackend, _plan, _St
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Below this many (sequence, KV head, token) triples, one thread beats waking the pool.
 # Batch-1 decode of SmolLM2 (3 KV heads) goes parallel from 64 tokens on: the kernel then
-# splits the sequence so both threads work (benchmarks/NOTES.md, section 32).
+# splits the sequence so both threads work (benchmarks/NOTES.md, section 32). Eager steps
+# only: a CPU graph replays decode in a team already awake (section 38).
 PARALLEL_MIN_WORK = 192
 
 
@@ -142,15 +143,16 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                 "CPU attention (KV write)", team=team,
             )  # fmt: skip
         if step.num_decodes:
-            heads, kv_heads, head_size = bound.shape[:3]
-            states = torch.empty(
-                self.lib.decode_team_states(step.num_decodes, heads, kv_heads, head_size)
-            )  # split-KV parts' softmax states, until their merge
+            # Split-KV parts' softmax states, until their merge: the layers run one after
+            # another, so the step's layers share one buffer.
+            size = self.lib.decode_team_states(step.num_decodes, *bound.shape[:3])
+            if step.states is None or step.states.numel() < size:
+                step.states = torch.empty(size)
             native.record_native_call(
                 address(bound.team_decode),
                 [q, q.stride(0), bound.k_cache, bound.v_cache, step.keep[1],
                  step.block_table_stride, step.keep[2], output, output.stride(0),
-                 step.num_decodes, *bound.shape[:4], bound.scale, states],
+                 step.num_decodes, *bound.shape[:4], bound.scale, step.states],
                 "CPU attention (decode)", team=team,
             )  # fmt: skip
 
@@ -186,3 +188,4 @@ class _Step:
     seq_lens: int
     threads: int
     prefill: _StepPlan | None
+    states: torch.Tensor | None = None  # a CPU graph's split-KV states (see _record)
