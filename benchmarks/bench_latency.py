@@ -4,7 +4,9 @@ benchmarks/setup_peers.sh), HF transformers eager and (with --hf-compile) static
 torch.compile with freezing, and this engine eager and compiled, with the CPU's read
 bandwidth measured in the same run as the ceiling, and each of compilecore's and
 llama.cpp's runs also against the bandwidth measured just before and after it (the
-machine's memory swings by up to 2x within a minute).
+machine's memory swings by up to 2x within a minute). A last row is the memory's own
+decode: one sum over the weights' bytes per token, in the same rounds, which shows what
+share of the best-of-run ceiling a pure weight stream reaches in those minutes.
 
 Every engine decodes `--tokens` tokens greedily (with `--sampled`: temperature 0.8, top-p
 0.95, vLLM's quickstart settings) after the same chat prompt (the same token ids), without
@@ -22,6 +24,7 @@ import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +35,7 @@ from common import (  # noqa: E402
     RESULTS,
     SAMPLED,
     PairedBandwidth,
+    WeightsRead,
     decode_speed,
     drawn,
     read_bandwidth,
@@ -101,31 +105,47 @@ def hf_decode_speed(
     return (len(t) - 1) / (t[-1] - t[0])
 
 
-def against_llama_cpp(
-    llm: LLM, prompt: list[int], gguf: Path, weights: int, args: argparse.Namespace
-) -> tuple[float, float, dict, list[float]]:
-    """compilecore and llama.cpp in alternating rounds (on a machine whose speed swings by
-    the minute, one run each minutes apart compares two different machines), every run
-    paired with the read bandwidth just around it: our best round's median tok/s, our
-    median share of the paired bandwidth, llama.cpp's row, and the ceiling measurements
-    taken between rounds."""
+MEMORY = "memory (a sum over the weights' bytes per token)"
+
+
+def paired_rounds(
+    llm: LLM, prompt: list[int], gguf: Path | None, weights: int, args: argparse.Namespace
+) -> tuple[list[dict], list[float]]:
+    """compilecore, llama.cpp (with a GGUF) and the memory's own decode (`WeightsRead`) in
+    alternating rounds (on a machine whose speed swings by the minute, one run each
+    minutes apart compares two different machines), every run paired with the read
+    bandwidth just around it. Returns their rows (each its best round's median tok/s and
+    its median share of the paired bandwidth) and the ceiling measurements taken between
+    rounds."""
     threads = torch.get_num_threads()
-    paired = PairedBandwidth()
-    shares, their_shares, bandwidths = [], [], []
-    ours_timed = functools.partial(paired.around, bytes_per_unit=weights, shares=shares)
-    theirs_run = functools.partial(
-        peers.llama_cpp_decode, gguf, prompt, args.tokens, threads, args.sampling
-    )
-    ours = theirs = 0.0
+    paired, memory = PairedBandwidth(), WeightsRead(weights)
+    shares: dict[str, list[float]] = {"ours": [], "theirs": [], "memory": []}
+    best = dict.fromkeys(shares, 0.0)
+    bandwidths = []
+
+    def timed(name: str) -> Callable[[Callable[[], float]], float]:
+        return functools.partial(paired.around, bytes_per_unit=weights, shares=shares[name])
+
     for _ in range(max(1, args.rounds)):
-        speed = decode_speed(llm, prompt, args.tokens, args.repeats, ours_timed, args.sampling)
-        ours = max(ours, speed)
-        theirs = max(theirs, paired.around(theirs_run, weights, their_shares))
+        speed = decode_speed(llm, prompt, args.tokens, args.repeats, timed("ours"), args.sampling)
+        best["ours"] = max(best["ours"], speed)
+        if gguf is not None:
+            run = functools.partial(
+                peers.llama_cpp_decode, gguf, prompt, args.tokens, threads, args.sampling
+            )
+            best["theirs"] = max(best["theirs"], timed("theirs")(run))
+        read = functools.partial(memory.decode, args.tokens)
+        runs = [timed("memory")(read) for _ in range(args.repeats)]
+        best["memory"] = max(best["memory"], statistics.median(runs))
         bandwidths.append(read_bandwidth())
-    kind = gguf.stem.rsplit("-", 1)[-1].upper()
-    theirs_row = {"engine": f"llama.cpp ({kind})", "tok_s": theirs}
-    theirs_row["of_paired_bw"] = statistics.median(their_shares)
-    return ours, statistics.median(shares), theirs_row, bandwidths
+    names = {"ours": "compilecore compiled", "memory": MEMORY}
+    if gguf is not None:
+        names["theirs"] = f"llama.cpp ({gguf.stem.rsplit('-', 1)[-1].upper()})"
+    rows = [
+        {"engine": engine, "tok_s": best[key], "of_paired_bw": statistics.median(shares[key])}
+        for key, engine in names.items()
+    ]
+    return rows, bandwidths
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -160,20 +180,19 @@ def main(argv: list[str] | None = None) -> Path:
                   kv_cache_memory=64 << 20, **kwargs)  # fmt: skip
         prompt = chat_prompt(llm)
         weights = weight_bytes(llm)
-        pairing = {}
-        if name == "compilecore compiled" and not lacking:
-            ours, share, llama_row, taken = against_llama_cpp(llm, prompt, gguf, weights, args)
-            pairing, bandwidths = {"of_paired_bw": share}, bandwidths + taken
+        if name == "compilecore compiled":
+            paired, taken = paired_rounds(llm, prompt, None if lacking else gguf, weights, args)
+            rows.append(paired[0])
+            others, bandwidths = paired[1:], bandwidths + taken
         else:
             ours = decode_speed(llm, prompt, args.tokens, args.repeats, sampling=args.sampling)
-        rows.append({"engine": name, "tok_s": ours, **pairing})
+            rows.append({"engine": name, "tok_s": ours})
         model_dir = llm.engine_config.model_config.model
         dtype = llm.engine_config.model_config.dtype
         del llm
         gc.collect()
         bandwidths.append(read_bandwidth())
-    if not lacking:
-        rows.append(llama_row)
+    rows += others  # llama.cpp (when present) and the memory's own decode
     peers.report_missing(lacking)
     if not args.no_hf:
         hf = [("HF eager", False)] + [("HF static+compile+freezing", True)] * args.hf_compile

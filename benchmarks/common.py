@@ -121,6 +121,26 @@ class PairedBandwidth:
         return speed
 
 
+class WeightsRead:
+    """The memory's own batch-1 decode: one sum over a written huge-page buffer of the
+    weights' size per token, timed like a decode. What an engine that did nothing but
+    stream its weights once a token would reach in the same minutes: a run's GB/s moves
+    with the minute it caught (NOTES section 35), and the best-of-run ceiling is a burst
+    that no run of a second sustains, so this row says what share of it is reachable."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.buffer = _sum_buffer(max(nbytes, 1 << 12), torch.float32, "cpu", True)
+
+    def decode(self, tokens: int) -> float:
+        """Reads/s between the first and the last of `tokens` reads, (N - 1) / (t_N - t_1)."""
+        self.buffer.sum()
+        start = time.perf_counter()
+        for _ in range(max(tokens, 2) - 1):
+            self.buffer.sum()
+        return (max(tokens, 2) - 1) / (time.perf_counter() - start)
+
+
 def copy_bandwidth(device: str = "cpu", nbytes: int = 512 << 20) -> float:
     """GB/s read by a large copy of written memory (bytes read; as many are written)."""
     src = torch.ones(nbytes // 4, device=device)

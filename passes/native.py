@@ -14,6 +14,7 @@ calls later without Python. Outside a capture the calls cost one global lookup.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -179,7 +180,9 @@ def load_library(source: str, name: str, root: Path, flags: list[str] = FLAGS) -
             build(cxx, source, name, path, flags)
         except OSError as exc:  # a read-only or full cache: build for this process only
             logger.warning("cannot write %s (%s): building it in a temporary folder", path, exc)
-            path = Path(tempfile.mkdtemp(prefix="compilecore-")) / path.name
+            folder = tempfile.mkdtemp(prefix="compilecore-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)  # loaded by then
+            path = Path(folder) / path.name
             build(cxx, source, name, path, flags)
     try:
         return ctypes.CDLL(str(path))

@@ -16,6 +16,8 @@ the attention backends, which live above compilecore):
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -48,8 +50,11 @@ def compiled_eager_pair(
     """Two callables `(input_ids, positions) -> hidden states` over the model the
     registry builds for `hf_config`, on the same random weights: one compiled (with
     `compilation` as extra compilation_config fields), one eager. Each sets the forward
-    context of one packed sequence with dense attention."""
-    cache_dir = cache_dir or tempfile.mkdtemp(prefix="compilecore-testing-")
+    context of one packed sequence with dense attention. Without `cache_dir` the compiled
+    side uses a temporary cache, removed when the process exits."""
+    if cache_dir is None:  # a cache of our own, removed when the process ends
+        cache_dir = tempfile.mkdtemp(prefix="compilecore-testing-")
+        atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
     compiled, compiled_config = _model(
         hf_config, dtype, CompilationConfig(cache_dir=cache_dir, **compilation)
     )

@@ -48,14 +48,18 @@ def _args(tiny_llama, tmp_path, *extra: str) -> list[str]:
 @pytest.mark.parametrize("draw", [[], ["--sampled"]], ids=["greedy", "sampled"])
 def test_latency_smoke(tiny_llama, tmp_path, draw):
     out = _load("bench_latency").main(
-        _args(tiny_llama, tmp_path, "--tokens", "4", "--repeats", "1", *draw)
+        _args(tiny_llama, tmp_path, "--tokens", "4", "--repeats", "1", "--rounds", "1", *draw)
     )
     assert out.name == ("latency_sampled.json" if draw else "latency.json")
-    data = _check(out, 3)
+    data = _check(out, 4)
     assert ("sampled (temperature 0.8, top_p 0.95)" in data["title"]) == bool(draw)
-    rows = data["rows"]
-    assert {r["engine"] for r in rows} == {"compilecore eager", "compilecore compiled", "HF eager"}
-    assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in rows)
+    rows = {r["engine"]: r for r in data["rows"]}
+    memory = "memory (a sum over the weights' bytes per token)"
+    assert set(rows) == {"compilecore eager", "compilecore compiled", memory, "HF eager"}
+    assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in rows.values())
+    # the compiled engine and the memory's own decode ran in the paired rounds
+    assert rows["compilecore compiled"]["of_paired_bw"] > 0 and rows[memory]["of_paired_bw"] > 0
+    assert "of_paired_bw" not in rows["compilecore eager"]
 
 
 def test_paired_bandwidth_compares_a_run_with_sums_just_around_it():
