@@ -116,7 +116,7 @@ def paired_rounds(
     minutes apart compares two different machines), every run paired with the read
     bandwidth just around it. Returns their rows (each its best round's median tok/s and
     its median share of the paired bandwidth) and the ceiling measurements taken between
-    rounds."""
+    rounds. Rows in that order: compilecore, llama.cpp, the memory."""
     threads = torch.get_num_threads()
     paired, memory = PairedBandwidth(), WeightsRead(weights)
     shares: dict[str, list[float]] = {"ours": [], "theirs": [], "memory": []}
@@ -138,9 +138,10 @@ def paired_rounds(
         runs = [timed("memory")(read) for _ in range(args.repeats)]
         best["memory"] = max(best["memory"], statistics.median(runs))
         bandwidths.append(read_bandwidth())
-    names = {"ours": "compilecore compiled", "memory": MEMORY}
+    names = {"ours": "compilecore compiled"}
     if gguf is not None:
         names["theirs"] = f"llama.cpp ({gguf.stem.rsplit('-', 1)[-1].upper()})"
+    names["memory"] = MEMORY
     rows = [
         {"engine": engine, "tok_s": best[key], "of_paired_bw": statistics.median(shares[key])}
         for key, engine in names.items()
@@ -192,13 +193,15 @@ def main(argv: list[str] | None = None) -> Path:
         del llm
         gc.collect()
         bandwidths.append(read_bandwidth())
-    rows += others  # llama.cpp (when present) and the memory's own decode
+    memory_row = others.pop()  # last in the table, after every engine
+    rows += others  # llama.cpp, when present
     peers.report_missing(lacking)
     if not args.no_hf:
         hf = [("HF eager", False)] + [("HF static+compile+freezing", True)] * args.hf_compile
         for name, compiled in hf:
             speed = hf_decode_speed(model_dir, dtype, prompt, args.tokens, compiled, args.sampling)
             rows.append({"engine": name, "tok_s": speed})
+    rows.append(memory_row)
     bandwidths.append(read_bandwidth())
     ceiling_gbs = max(bandwidths)
     ceiling = ceiling_gbs * 1e9 / weights
