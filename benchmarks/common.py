@@ -124,12 +124,12 @@ class PairedBandwidth:
 class WeightsRead:
     """The memory's own batch-1 decode: one sum over a written huge-page buffer of the
     weights' size per token, timed like a decode. What an engine that did nothing but
-    stream its weights once a token would reach in the same minutes: a run's GB/s moves
-    with the minute it caught (NOTES section 35), and the best-of-run ceiling is a burst
-    that no run of a second sustains, so this row says what share of it is reachable."""
+    stream its weights once a token would reach in the same minutes: the best-of-run
+    ceiling is a 10 ms burst and a run's GB/s moves with the minute it caught (NOTES
+    section 35), so this row says what share of that ceiling a run of the same length
+    can reach (NOTES section 39)."""
 
     def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
         self.buffer = _sum_buffer(max(nbytes, 1 << 12), torch.float32, "cpu", True)
 
     def decode(self, tokens: int) -> float:
