@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from compilecore import cpu_graph
@@ -97,7 +97,14 @@ def decode_batches(draw):
     return _decode_batch(draw, kv_heads, seqs)
 
 
+# The default model at batch 1 (3 KV heads of 64, 9 heads): one part per thread, so each
+# thread first loads its token range's K/V rows in memory order.
+BATCH_ONE = Batch(block_size=16, kv_heads=3, heads=9, head_size=64, seqs=[(100, 1)],
+                  padding=0, seed=1, dtype=torch.bfloat16)  # fmt: skip
+
+
 @settings(max_examples=40, deadline=None)
+@example(batch=BATCH_ONE)
 @given(batch=decode_batches())
 def test_team_decode_in_a_replay_equals_dense(tmp_path_factory, batch):
     """A CPU graph records the KV write and decode as team functions and replays them in

@@ -381,15 +381,49 @@ void write_kv_team(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T
            slots + first, last - first, row);
 }
 
+// Loads every K and V row of tokens [begin, end), token by token: a token's rows of all
+// KV heads are one contiguous run, so the loads walk memory in order and many are in
+// flight at once. Inside a CPU graph's step the weight stream has evicted these rows since
+// the last step; a task that meets them one head's row at a time waits ~9 ns a line, in
+// memory order they arrive at ~5-6 ns a line (benchmarks/NOTES.md, section 39; software
+// prefetches of the same rows did not arrive in time).
+template <typename T>
+void load_rows(const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t begin,
+               int64_t end, int64_t row, int64_t block_size) {
+  uint32_t seen = 0;
+  SlotCursor cursor(blocks, block_size, begin);
+  int64_t offsets[kChunk];
+  for (int64_t start = begin; start < end; start += kChunk) {
+    const int64_t n = std::min(end - start, kChunk);
+    cursor.next(n, row, offsets);
+    for (const T* cache : {k_cache, v_cache})
+      for (int64_t j = 0; j < n; ++j) {
+        const auto* bytes = reinterpret_cast<const uint8_t*>(cache + offsets[j]);
+        for (int64_t b = 0; b < row * int64_t(sizeof(T)); b += 64) seen += bytes[b];
+      }
+  }
+  static volatile uint32_t sink;  // keeps the loads
+  sink = seen;
+}
+
 template <typename T>
 void decode_team(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                  const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens, T* out,
                  int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                  int64_t head_size, int64_t block_size, float scale, float* states) {
   const int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads;
-  const int64_t parts = num_parts(pairs, longest(seq_lens, num_seqs), omp_get_num_threads());
+  const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+  const int64_t parts = num_parts(pairs, longest(seq_lens, num_seqs), threads);
   const int64_t size = state_size(group, head_size);
-#pragma omp for schedule(dynamic, 1)
+  // Tasks are dealt round robin (not taken dynamically), so a thread knows its tasks before
+  // it starts. One sequence split into one part per thread (batch 1): this thread's tasks
+  // are part `me` of every KV head, one token range, whose rows it loads in memory order.
+  if (num_seqs == 1 && parts == threads) {
+    const int64_t len = seq_lens[0];
+    load_rows(k_cache, v_cache, block_table, len * me / parts, len * (me + 1) / parts,
+              num_kv_heads * head_size, block_size);
+  }
+#pragma omp for schedule(static, 1)
   for (int64_t task = 0; task < pairs * parts; ++task) {
     const int64_t s = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
     const int64_t p = task % parts, first = h * group * head_size, len = seq_lens[s];
