@@ -110,13 +110,13 @@ MEMORY = "memory (a sum over the weights' bytes per token)"
 
 def paired_rounds(
     llm: LLM, prompt: list[int], gguf: Path | None, weights: int, args: argparse.Namespace
-) -> tuple[list[dict], list[float]]:
+) -> tuple[dict[str, dict], list[float]]:
     """compilecore, llama.cpp (with a GGUF) and the memory's own decode (`WeightsRead`) in
     alternating rounds (on a machine whose speed swings by the minute, one run each
     minutes apart compares two different machines), every run paired with the read
-    bandwidth just around it. Returns their rows (each its best round's median tok/s and
-    its median share of the paired bandwidth) and the ceiling measurements taken between
-    rounds. Rows in that order: compilecore, llama.cpp, the memory."""
+    bandwidth just around it. Returns their rows by role ("ours", "theirs" with a GGUF,
+    "memory"; each its best round's median tok/s and its median share of the paired
+    bandwidth) and the ceiling measurements taken between rounds."""
     threads = torch.get_num_threads()
     paired, memory = PairedBandwidth(), WeightsRead(weights)
     shares: dict[str, list[float]] = {"ours": [], "theirs": [], "memory": []}
@@ -142,10 +142,10 @@ def paired_rounds(
     if gguf is not None:
         names["theirs"] = f"llama.cpp ({gguf.stem.rsplit('-', 1)[-1].upper()})"
     names["memory"] = MEMORY
-    rows = [
-        {"engine": engine, "tok_s": best[key], "of_paired_bw": statistics.median(shares[key])}
+    rows = {
+        key: {"engine": engine, "tok_s": best[key], "of_paired_bw": statistics.median(shares[key])}
         for key, engine in names.items()
-    ]
+    }
     return rows, bandwidths
 
 
@@ -183,8 +183,8 @@ def main(argv: list[str] | None = None) -> Path:
         weights = weight_bytes(llm)
         if name == "compilecore compiled":
             paired, taken = paired_rounds(llm, prompt, None if lacking else gguf, weights, args)
-            rows.append(paired[0])
-            others, bandwidths = paired[1:], bandwidths + taken
+            rows.append(paired["ours"])
+            bandwidths += taken
         else:
             ours = decode_speed(llm, prompt, args.tokens, args.repeats, sampling=args.sampling)
             rows.append({"engine": name, "tok_s": ours})
@@ -193,15 +193,14 @@ def main(argv: list[str] | None = None) -> Path:
         del llm
         gc.collect()
         bandwidths.append(read_bandwidth())
-    memory_row = others.pop()  # last in the table, after every engine
-    rows += others  # llama.cpp, when present
+    rows += [paired["theirs"]] if "theirs" in paired else []
     peers.report_missing(lacking)
     if not args.no_hf:
         hf = [("HF eager", False)] + [("HF static+compile+freezing", True)] * args.hf_compile
         for name, compiled in hf:
             speed = hf_decode_speed(model_dir, dtype, prompt, args.tokens, compiled, args.sampling)
             rows.append({"engine": name, "tok_s": speed})
-    rows.append(memory_row)
+    rows.append(paired["memory"])  # last in the table, after every engine
     bandwidths.append(read_bandwidth())
     ceiling_gbs = max(bandwidths)
     ceiling = ceiling_gbs * 1e9 / weights
