@@ -210,6 +210,10 @@ def test_disconnect_mid_stream_frees_the_request(server, prompts):
         ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "word " * 400}, 400, None),
         ({"model": MODEL}, 400, "prompt"),
+        ({"model": MODEL, "prompt": []}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[1, 2], []], "max_tokens": 2}, 400, None),
+        # vLLM's server refuses more new tokens than the context leaves (max_model_len 256)
+        ({"model": MODEL, "prompt": "x", "max_tokens": 256}, 400, "max_tokens"),
         ({"model": "nope", "prompt": "x"}, 404, "model"),
     ],
 )
@@ -224,6 +228,24 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         assert error["param"] == param
     _idle(engine)
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices
+
+
+def test_max_tokens_beyond_the_context_is_refused_like_vllm(server):
+    """Exactly the room the prompt leaves runs; one token more is a 400 that names the
+    numbers, for completions and chat (max_completion_tokens) alike."""
+    base, engine = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    room = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 253, "temperature": 0}
+    assert _http("POST", base + "/v1/completions", room, auth).status_code == 200
+    r = _http("POST", base + "/v1/completions", {**room, "max_tokens": 254}, auth)
+    assert r.status_code == 400
+    assert "maximum context length is 256 tokens" in r.json()["error"]["message"]
+    assert "has 3 input tokens (254 > 256 - 3)" in r.json()["error"]["message"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 256}  # fmt: skip
+    r = _http("POST", base + "/v1/chat/completions", chat, auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    _idle(engine)
 
 
 def test_malformed_json_wrong_key_and_full_queue(server, client):

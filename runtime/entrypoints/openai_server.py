@@ -158,12 +158,19 @@ class _Server:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
 
-    def start(self, prompts: list[Any], params, prefix: str) -> tuple[list, list[int]]:
+    def start(
+        self, prompts: list[Any], params, prefix: str, max_tokens: int | None
+    ) -> tuple[list, list[int]]:
         """Queue every prompt, all tokenized and checked first (a bad one queues nothing);
-        the delta streams and the prompts' token counts."""
+        the delta streams and the prompts' token counts. `max_tokens` is what the client
+        asked for: like vLLM's server, more than the context leaves is a 400, not a cut."""
+        if not prompts:
+            raise APIError(400, "please provide at least one prompt", "prompt")
         added: list[str] = []
         try:
             ids = [self.engine.prepare(p, params) for p in prompts]
+            for t in ids:
+                self.check_room(len(t), max_tokens)
             streams = []
             for i, t in enumerate(ids):
                 streams.append(self.engine.add(t, params, f"{prefix}-{i}"))
@@ -173,6 +180,17 @@ class _Server:
             for request_id in added:  # the queue filled up half-way: take back what went in
                 self.engine.abort(request_id)
             raise APIError(503 if isinstance(e, QueueFullError) else 400, str(e)) from e
+
+    def check_room(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {self.max_model_len} tokens and your "
+                f"request has {prompt_tokens} input tokens ({max_tokens} > "
+                f"{self.max_model_len} - {prompt_tokens})",
+                "max_tokens",
+            )
 
     # -- /v1/completions ------------------------------------------------------------------
     async def completions(self, body: CompletionRequest):
@@ -184,7 +202,7 @@ class _Server:
             prompts = list(prompt)
         params = self._params(body, body.max_tokens, body.logprobs)
         rid, kind = f"cmpl-{uuid.uuid4().hex}", "text_completion"
-        streams, lengths = self.start(prompts, params, rid)
+        streams, lengths = self.start(prompts, params, rid, body.max_tokens)
         n = params.n
         texts = {i: (p if isinstance(p, str) else "") for i, p in enumerate(prompts)}
 
@@ -236,7 +254,7 @@ class _Server:
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams, (prompt_tokens,) = self.start([prompt], params, rid)
+        streams, (prompt_tokens,) = self.start([prompt], params, rid, max_tokens)
 
         def logprobs(d: StreamDelta) -> dict | None:
             return _chat_logprobs(d.logprobs, top) if top is not None else None
