@@ -22,7 +22,9 @@ class ModelLoadError(ValueError):
     pass
 
 
-def load_hf_config(model_dir: str | Path) -> Any:
+def load_hf_config(model_dir: str | Path, trust_remote_code: bool = False) -> Any:
+    """The folder's config.json. `trust_remote_code` lets transformers run a config class
+    shipped in the folder (vLLM's flag); the model itself must still be one of ours."""
     from transformers import AutoConfig
 
     path = Path(model_dir)
@@ -31,7 +33,7 @@ def load_hf_config(model_dir: str | Path) -> Any:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"no config.json in {str(path)!r}: is this a HF model folder?")
     try:
-        return AutoConfig.from_pretrained(str(path))
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (ValueError, OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
 

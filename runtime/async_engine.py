@@ -112,7 +112,7 @@ class AsyncLLM:
     # -- requests -------------------------------------------------------------------------
     def prepare(self, prompt: PromptType, params: SamplingParams) -> list[int]:
         """Validate and tokenize (raises ValueError/TypeError before anything is queued)."""
-        tokens = self.llm._tokenize(0, prompt)
+        tokens = self.llm._tokenize(0, prompt, params)
         self.llm._validate_params(0, params)
         return tokens
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from passes.config import DEVICE_DEFAULTS
 from runtime.llm import LLM
@@ -24,8 +25,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="longest prompt + answer in tokens"
     )
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
-    g.add_argument("--eager", action="store_true", help="run the plain module (no torch.compile)")
+    g.add_argument(
+        "--eager", "--enforce-eager", dest="eager", action="store_true",
+        help="run the plain module (no torch.compile)",
+    )  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    # vLLM's engine flags, same names and defaults, so a `vllm serve` line runs unchanged.
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens a step")
+    g.add_argument("--block-size", type=int, default=16, help="tokens a KV cache block")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="(CUDA)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    g.add_argument("--trust-remote-code", action="store_true", help="(config/tokenizer code)")
     _add_custom_pass_arg(g)
 
 
@@ -55,6 +69,15 @@ def _engine_args(args: argparse.Namespace) -> dict:
         "kv_cache_memory": args.kv_cache_memory,
         "enforce_eager": args.eager,
         "seed": args.seed,
+        "tokenizer": args.tokenizer,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "trust_remote_code": args.trust_remote_code,
         "compilation_config": {"custom_passes": args.custom_pass},
     }
 
@@ -199,14 +222,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # wrappers); a short switch interval lets the event loop take requests in between.
     sys.setswitchinterval(args.switch_interval)
     # The engine thread builds the LLM: its kernels then own the only OpenMP team.
-    engine = AsyncLLM(
-        args.model,
-        max_waiting=args.max_waiting,
-        max_num_seqs=args.max_num_seqs,
-        **_engine_args(args),
-    )
+    if args.model_tag is not None and args.model not in (None, args.model_tag):
+        raise ValueError(
+            f"two models given: {args.model_tag!r} and --model {args.model!r}; give one"
+        )
+    args.model = args.model or args.model_tag
+    template = args.chat_template  # a file, or the template itself
+    if template is not None and Path(template).is_file():
+        template = Path(template).read_text()
+    elif template is not None and "{" not in template:
+        raise ValueError(f"--chat-template {template!r}: no such file, and not a template")
+    engine = AsyncLLM(args.model, max_waiting=args.max_waiting, **_engine_args(args))
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    app = build_app(engine, name, api_key=args.api_key)
+    app = build_app(engine, name, api_key=args.api_key, chat_template=template)
     print(f"compilecore: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     engine.shutdown()
@@ -289,13 +317,21 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve /v1/completions, /v1/chat/completions (with streaming), "
         "/v1/models, /health, /metrics, /tokenize and /detokenize.",
     )
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, help="HF model folder, as in `vllm serve MODEL`"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use")
-    serve.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (then 503)")
-    serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="warning")
+    serve.add_argument(
+        "--chat-template", default=None,
+        help="the default chat template: a file, or the template itself (vLLM's flag)",
+    )  # fmt: skip
+    for flag in ("--disable-log-requests", "--disable-log-stats"):  # vLLM's; we log neither
+        serve.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     serve.add_argument(
         "--switch-interval",
         type=float,

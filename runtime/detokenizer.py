@@ -99,8 +99,8 @@ class IncrementalDetokenizer:
 
 
 class NullDetokenizer:
-    """For an engine without a tokenizer (`LLM(skip_tokenizer_init=True)`): no text, so no
-    stop strings either (the LLM refuses them)."""
+    """For an engine without a tokenizer (`LLM(skip_tokenizer_init=True)`) or a request with
+    `detokenize=False`: no text, so no stop strings either (both are refused earlier)."""
 
     text = ""
 

@@ -69,7 +69,7 @@ class LLMEngine:
         params = request.sampling_params
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if self.tokenizer is None:
+        if self.tokenizer is None or not params.detokenize:
             detokenizer: Any = NullDetokenizer()
         else:
             detokenizer = IncrementalDetokenizer(
@@ -128,7 +128,7 @@ class LLMEngine:
         for req, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
             req.append_token(token)
             if logprobs is not None:
-                req.output_logprobs.append(self._logprob_objects(logprobs))
+                req.output_logprobs.append(self._logprob_objects(logprobs, req))
             if self._check_stop(req, token):
                 finished.append(req)
         return finished
@@ -152,11 +152,13 @@ class LLMEngine:
             if n:
                 pairs = zip(top_ids[j].tolist(), top_vals[j].tolist())
                 entry.update({t: (v, r + 1) for r, (t, v) in enumerate(pairs)})
-            req.prompt_logprobs.append(self._logprob_objects(entry))
+            req.prompt_logprobs.append(self._logprob_objects(entry, req))
 
-    def _logprob_objects(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+    def _logprob_objects(
+        self, entry: dict[int, tuple[float, int]], req: Request
+    ) -> dict[int, Logprob]:
         def text(token: int) -> str | None:
-            if self.tokenizer is None:
+            if self.tokenizer is None or not req.sampling_params.detokenize:
                 return None
             return self.tokenizer.decode([token], skip_special_tokens=False)
 

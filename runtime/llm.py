@@ -54,15 +54,17 @@ class LLM:
         model: str | None = None,
         *,
         tokenizer: str | None = None,
+        tokenizer_mode: str = "auto",
         skip_tokenizer_init: bool = False,
         distributed_executor_backend: str | None = None,
         max_logprobs: int = 20,
         **engine_args: Any,
     ):
-        """`engine_args`: see `build_engine_config` (dtype, max_model_len, max_num_seqs,
-        max_num_batched_tokens, block_size, kv_cache_memory, enable_prefix_caching,
-        attention_backend, enforce_eager, compilation_config, tensor_parallel_size,
-        pipeline_parallel_size, seed, device). `distributed_executor_backend="external"`
+        """`engine_args`: see `build_engine_config` (vLLM's names: dtype, max_model_len,
+        max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization,
+        enable_prefix_caching, enable_chunked_prefill, enforce_eager, compilation_config,
+        tensor_parallel_size, pipeline_parallel_size, seed, trust_remote_code; ours:
+        kv_cache_memory, attention_backend, device). `distributed_executor_backend="external"`
         joins ranks that torchrun started (see runtime/launch.py). `max_logprobs` caps
         `logprobs` and `prompt_logprobs` (vLLM's default, 20)."""
         if distributed_executor_backend not in EXECUTOR_BACKENDS:
@@ -82,7 +84,15 @@ class LLM:
                 f"distributed_executor_backend='uni' runs one process, but tensor x pipeline "
                 f"parallel size is {world_size}: use 'mp'"
             )
-        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(tokenizer or model_dir)
+        if tokenizer_mode != "auto":
+            raise ValueError(
+                f"tokenizer_mode={tokenizer_mode!r} is not supported: use 'auto' (the folder's "
+                "fast tokenizer)"
+            )
+        trust = bool(engine_args.get("trust_remote_code", False))
+        self.tokenizer = (
+            None if skip_tokenizer_init else _load_tokenizer(tokenizer or model_dir, trust)
+        )
         executor = None
         if world_size > 1:
             validate_parallel_config(self.engine_config)
@@ -126,7 +136,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompt_list))
         # Everything is checked before any request is added: a bad prompt or parameter
         # costs nothing and leaves nothing behind.
-        token_lists = [self._tokenize(i, p) for i, p in enumerate(prompt_list)]
+        token_lists = [self._tokenize(i, *pair) for i, pair in enumerate(zip(prompt_list, params))]
         for i, sp in enumerate(params):
             self._validate_params(i, sp)
         ids, added = [], []
@@ -209,7 +219,9 @@ class LLM:
         return {"prompt": text, "prompt_token_ids": ids}
 
     # -- internals ------------------------------------------------------------------------
-    def _tokenize(self, index: int, prompt: PromptType) -> list[int]:
+    def _tokenize(
+        self, index: int, prompt: PromptType, params: SamplingParams | None = None
+    ) -> list[int]:
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
             text = prompt.get("prompt")
@@ -242,6 +254,16 @@ class LLM:
                 f"prompt {index}: token id {bad} is outside the vocabulary [0, {vocab})"
             )
         max_len = self.engine_config.model_config.max_model_len
+        keep = None if params is None else params.truncate_prompt_tokens
+        if keep is not None:
+            if keep > max_len:
+                raise ValueError(
+                    f"prompt {index}: truncate_prompt_tokens={keep} is greater than "
+                    f"max_model_len={max_len}: choose a smaller value, or -1 for the longest "
+                    "prompt that fits"
+                )
+            # -1: the longest prompt that leaves room for one generated token.
+            tokens = tokens[-(max_len - 1 if keep == -1 else keep) :]
         if len(tokens) >= max_len:
             raise ValueError(
                 f"prompt {index} has {len(tokens)} tokens, but max_model_len={max_len} leaves no "
@@ -353,10 +375,21 @@ def build_engine_config(
     pipeline_parallel_size: int = 1,
     seed: int = 0,
     device: str | None = None,
+    gpu_memory_utilization: float = 0.9,
+    enable_chunked_prefill: bool = True,
+    trust_remote_code: bool = False,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
+    swap_space: float = 4,
+    disable_log_stats: bool = True,
 ) -> EngineConfig:
-    """The engine config for a model folder (None: the embedded default model)."""
+    """The engine config for a model folder (None: the embedded default model). The
+    arguments are vLLM's EngineArgs of the same names; `swap_space` and
+    `disable_log_stats` are accepted and change nothing (a preempted request is recomputed,
+    as in vLLM V1, and the offline LLM logs no stats)."""
+    _check_vllm_only_args(kv_cache_dtype, quantization, swap_space, disable_log_stats)
     model_dir = Path(model) if model is not None else ensure_default_model()
-    hf_config = load_hf_config(model_dir)
+    hf_config = load_hf_config(model_dir, trust_remote_code=trust_remote_code)
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     try:
         resolve_model_class(archs[0])
@@ -392,14 +425,38 @@ def build_engine_config(
         cache_config=CacheConfig(
             block_size=block_size,
             kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend,
         ),
-        scheduler_config=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
+        ),
         parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
         compilation_config=compilation,
         device=device_obj,
     )
+
+
+def _check_vllm_only_args(
+    kv_cache_dtype: str, quantization: str | None, swap_space: float, disable_log_stats: bool
+) -> None:
+    """vLLM's arguments for what this engine does not have: their defaults pass, any
+    other value says what is supported instead of being ignored."""
+    if kv_cache_dtype != "auto":
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported: the KV cache is kept in the "
+            "model's dtype; use 'auto'"
+        )
+    if quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} is not supported: load bf16, fp16 or fp32 weights "
+            "and leave quantization=None"
+        )
+    if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or swap_space < 0:
+        raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
+    if not isinstance(disable_log_stats, bool):
+        raise ValueError(f"disable_log_stats must be True or False, got {disable_log_stats!r}")
 
 
 def _prompt_text(prompt: PromptType) -> str | None:
@@ -439,11 +496,11 @@ def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
     return params
 
 
-def _load_tokenizer(path: str | Path) -> Any:
+def _load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load a tokenizer from {path}: {e}") from e
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Real
+from typing import Any
 
 _EPS = 1e-5
 # torch.Generator.manual_seed takes any value in [-2**63, 2**64).
@@ -43,6 +44,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Keep only the prompt's last k tokens (-1: as many as max_model_len leaves room for).
+    truncate_prompt_tokens: int | None = None
+    # False: token ids only, no text (vLLM's name); stop strings then have nothing to match.
+    detokenize: bool = True
+    # vLLM's detokenizer option for slow tokenizers; fast tokenizers (all ours) ignore it,
+    # as vLLM's fast path does. Accepted so vLLM scripts run unchanged.
+    spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None  # for user code; the engine never reads it
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +114,16 @@ class SamplingParams:
             not isinstance(w, str) or not w.strip() for w in self.bad_words
         ):
             fail("bad_words", "a list of non-empty strings")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not _is_int(t) or not (t == -1 or t >= 1)):
+            fail("truncate_prompt_tokens", "-1 (the longest that fits), an integer >= 1 or None")
+        for name in ("detokenize", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "True or False")
+        if not self.detokenize and stops:
+            fail("stop", "empty when detokenize=False (stop strings match the text)")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            fail("extra_args", "a dict or None")
 
     @property
     def greedy(self) -> bool:

@@ -27,11 +27,36 @@ def test_generate_with_default_model():
 
 
 def test_generate_with_a_model_folder(tiny_llama):
+    # vLLM's spellings of the engine flags work alongside ours.
     res = _cli(
-        "generate", "--model", str(tiny_llama[0]), "--eager", "--raw", "--max-tokens", "5", "abc"
-    )
+        "generate", "--model", str(tiny_llama[0]), "--enforce-eager", "--raw", "--max-tokens",
+        "5", "--max-num-seqs", "4", "-tp", "1", "--no-enable-prefix-caching",
+        "--trust-remote-code", "--gpu-memory-utilization", "0.5", "abc",
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert res.stdout.endswith("\n") and res.stderr.count("Traceback") == 0
+
+
+def test_serve_takes_a_vllm_serve_command_line():
+    from runtime.cli import _engine_args, build_parser
+
+    line = "serve /models/x --tensor-parallel-size 2 -pp 1 --gpu-memory-utilization 0.8 "
+    line += "--max-num-seqs 8 --max-num-batched-tokens 512 --block-size 32 --enforce-eager "
+    line += "--no-enable-prefix-caching --trust-remote-code --api-key k --port 9000 "
+    line += "--disable-log-requests --disable-log-stats --uvicorn-log-level info"
+    args = build_parser().parse_args(line.split())
+    assert args.model_tag == "/models/x" and args.port == 9000 and args.api_key == "k"
+    assert args.log_level == "info"
+    engine = _engine_args(args)
+    assert engine["tensor_parallel_size"] == 2 and engine["pipeline_parallel_size"] == 1
+    assert engine["gpu_memory_utilization"] == 0.8 and engine["max_num_seqs"] == 8
+    assert (engine["max_num_batched_tokens"], engine["block_size"]) == (512, 32)
+    assert engine["enforce_eager"] and engine["trust_remote_code"]
+    assert engine["enable_prefix_caching"] is False
+    res = _cli("serve", "/models/a", "--model", "/models/b")
+    assert res.returncode == 2 and "two models given" in res.stderr
+    res = _cli("serve", "--chat-template", "/no/such/template.jinja")
+    assert res.returncode == 2 and "no such file, and not a template" in res.stderr
 
 
 def test_chat_keeps_the_conversation(tiny_llama):

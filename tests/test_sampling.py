@@ -31,6 +31,12 @@ from runtime.sampler import Sampler, filter_logits
         ({"logprobs": -1}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"detokenize": "no"}, "detokenize"),
+        ({"detokenize": False, "stop": "."}, "stop"),
+        ({"spaces_between_special_tokens": None}, "spaces_between_special_tokens"),
+        ({"extra_args": [1]}, "extra_args"),
     ],
 )
 def test_bad_sampling_values_name_the_parameter(kwargs, name):

@@ -5,6 +5,7 @@ tested). The oracle for generated text is the offline `LLM` on the same checkpoi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import socket
@@ -66,23 +67,30 @@ def oracle(tiny_llama):
     return LLM(str(tiny_llama[0]), enforce_eager=True, max_model_len=256)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama):
-    llm = LLM(str(tiny_llama[0]), enforce_eager=True, max_model_len=256, max_num_seqs=48)
-    engine = AsyncLLM(llm, max_waiting=64)
+@contextlib.contextmanager
+def _serving(app):
+    """The app on a free loopback port, in a thread; yields its base URL."""
     port = _free_port()
-    config = uvicorn.Config(build_app(engine, MODEL, api_key=KEY), host="127.0.0.1", port=port,
-                            log_level="warning")  # fmt: skip
-    srv = _ThreadServer(config)
+    srv = _ThreadServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
     assert srv.started, "the server did not start"
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    llm = LLM(str(tiny_llama[0]), enforce_eager=True, max_model_len=256, max_num_seqs=48)
+    engine = AsyncLLM(llm, max_waiting=64)
+    with _serving(build_app(engine, MODEL, api_key=KEY)) as base:
+        yield base, engine
     engine.shutdown()
 
 
@@ -163,6 +171,22 @@ def test_n_stop_and_logprobs(client, oracle):
     assert len(content) == 12 and all(len(c.top_logprobs) == 2 for c in content)
 
 
+def test_vllm_extra_fields_truncate_and_restrict_tokens(client, oracle):
+    """vLLM's extra body fields reach the sampler as they do offline."""
+    long = list(range(10, 300))  # over max_model_len=256
+    out = client.completions.create(model=MODEL, prompt=long, **{
+        **GREEDY, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": 40}})  # fmt: skip
+    assert out.usage.prompt_tokens == 40
+    assert out.choices[0].text == _greedy_text(oracle, {"prompt_token_ids": long[-40:]})
+    only = {"ignore_eos": True, "allowed_token_ids": [7, 9], "bad_words": ["x"],
+            "spaces_between_special_tokens": False}  # fmt: skip
+    restricted = client.completions.create(model=MODEL, prompt=PROMPTS[3], logprobs=0, **{
+        **GREEDY, "extra_body": only})  # fmt: skip
+    tokenizer = oracle.get_tokenizer()
+    allowed = {tokenizer.decode([7]), tokenizer.decode([9])}
+    assert set(restricted.choices[0].logprobs.tokens) <= allowed
+
+
 def test_32_concurrent_streams_equal_sequential_greedy(server, oracle):
     base, engine = server
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
@@ -214,6 +238,12 @@ def test_disconnect_mid_stream_frees_the_request(server, prompts):
         ({"model": MODEL, "prompt": [[1, 2], []], "max_tokens": 2}, 400, None),
         # vLLM's server refuses more new tokens than the context leaves (max_model_len 256)
         ({"model": MODEL, "prompt": "x", "max_tokens": 256}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 300}, 400, None),
+        (
+            {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 0},
+            400,
+            "truncate_prompt_tokens",
+        ),  # fmt: skip
         ({"model": "nope", "prompt": "x"}, 404, "model"),
     ],
 )
@@ -310,3 +340,21 @@ def test_models_health_metrics_tokenize(server, client, oracle):
     assert ids["tokens"] == oracle.get_tokenizer().encode("hello world")
     back = _http("POST", base + "/detokenize", {"tokens": ids["tokens"]}, auth).json()
     assert back["prompt"] == "hello world"
+
+
+def test_server_default_chat_template_and_a_requests_own(server, oracle):
+    """vLLM's `--chat-template`: the server's default; a request's `chat_template` wins."""
+    base, engine = server
+    default = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    own = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    messages = [{"role": "user", "content": "hello there"}]
+    with _serving(build_app(engine, MODEL, chat_template=default)) as other:
+        body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 6,
+                "ignore_eos": True}  # fmt: skip
+        plain = _http("POST", other + "/v1/chat/completions", body).json()
+        mine = _http("POST", other + "/v1/chat/completions", {**body, "chat_template": own})
+    assert plain["choices"][0]["message"]["content"] == _greedy_text(oracle, "[hello there]", 6)
+    assert mine.json()["choices"][0]["message"]["content"] == _greedy_text(
+        oracle, "<hello there>", 6
+    )
+    _idle(engine)

@@ -97,3 +97,66 @@ def test_prompt_token_ids_inputs(llm):
     by_ids = llm.generate({"prompt_token_ids": ids}, greedy)[0]
     assert by_ids.outputs[0].token_ids == by_text.outputs[0].token_ids
     assert by_ids.prompt_token_ids == ids and by_ids.prompt is None
+
+
+def test_engine_args_of_vllm_scripts(model, llm):
+    """The LLM(...) arguments vLLM scripts pass: the ones with an effect reach the config,
+    the ones without one (swap_space, disable_log_stats) are accepted, and the engine
+    answers as the plain one does."""
+    tuned = LLM(
+        model=model, enforce_eager=True, max_model_len=256, seed=0,
+        gpu_memory_utilization=0.5, trust_remote_code=True, tokenizer_mode="auto",
+        enable_chunked_prefill=False, max_num_batched_tokens=256, swap_space=0,
+        disable_log_stats=True, kv_cache_dtype="auto", quantization=None,
+    )  # fmt: skip
+    config = tuned.engine_config
+    assert config.cache_config.gpu_memory_utilization == 0.5
+    assert not config.scheduler_config.enable_chunked_prefill
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    prompts = ["Hello, my name is", "The capital of France is"]
+    assert [o.outputs[0].token_ids for o in tuned.generate(prompts, greedy)] == [
+        o.outputs[0].token_ids for o in llm.generate(prompts, greedy)
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported"),
+        ({"quantization": "awq"}, "quantization='awq' is not supported"),
+        ({"tokenizer_mode": "slow"}, "tokenizer_mode='slow' is not supported"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
+        ({"swap_space": -1}, "swap_space must be"),
+    ],
+)
+def test_vllm_engine_args_we_lack_say_so(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model=model, enforce_eager=True, **kwargs)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm):
+    ids = list(range(10, 300))  # longer than max_model_len=256
+    greedy = dict(temperature=0, max_tokens=4)
+    cut = SamplingParams(**greedy, truncate_prompt_tokens=20)
+    kept = llm.generate({"prompt_token_ids": ids}, cut)
+    last = llm.generate({"prompt_token_ids": ids[-20:]}, SamplingParams(**greedy))
+    assert kept[0].prompt_token_ids == ids[-20:]
+    assert kept[0].outputs[0].token_ids == last[0].outputs[0].token_ids
+    longest = SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1)
+    fits = llm.generate({"prompt_token_ids": ids}, longest)[0]
+    assert fits.prompt_token_ids == ids[-255:] and len(fits.outputs[0].token_ids) == 1
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=300 is greater than max_model"):
+        llm.generate("hi", SamplingParams(truncate_prompt_tokens=300))
+
+
+def test_detokenize_false_gives_token_ids_only(llm):
+    greedy = dict(temperature=0, max_tokens=5, logprobs=2)
+    plain = llm.generate("The capital of France is", SamplingParams(**greedy))[0].outputs[0]
+    ids_only = llm.generate("The capital of France is", SamplingParams(**greedy, detokenize=False))[
+        0
+    ].outputs[0]
+    assert plain.text and ids_only.text == ""
+    assert ids_only.token_ids == plain.token_ids
+    assert all(lp.decoded_token is None for entry in ids_only.logprobs for lp in entry.values())
+    spaced = SamplingParams(temperature=0, max_tokens=5, spaces_between_special_tokens=False)
+    assert llm.generate("The capital of France is", spaced)[0].outputs[0].text == plain.text

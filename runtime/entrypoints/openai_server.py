@@ -60,9 +60,16 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(body, status_code=status)
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    served_model_name: str,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+) -> FastAPI:
+    """`chat_template`: the server's default (vLLM's `--chat-template`); a request's own
+    `chat_template` still wins."""
     app = FastAPI(title="compilecore", docs_url=None, redoc_url=None)
-    server = _Server(engine, served_model_name)
+    server = _Server(engine, served_model_name, chat_template)
     protected = ("/v1/", "/tokenize", "/detokenize")
 
     @app.middleware("http")
@@ -132,8 +139,9 @@ def build_app(engine: AsyncLLM, served_model_name: str, api_key: str | None = No
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLM, served_model_name: str):
+    def __init__(self, engine: AsyncLLM, served_model_name: str, chat_template: str | None):
         self.engine, self.model_name = engine, served_model_name
+        self.chat_template = chat_template
         self.created = int(time.time())
         self.max_model_len = engine.llm.engine_config.model_config.max_model_len
         self.metrics = ServerMetrics()
@@ -247,7 +255,7 @@ class _Server:
             body.messages,
             body.add_generation_prompt,
             body.continue_final_message,
-            body.chat_template,
+            body.chat_template or self.chat_template,
             body.chat_template_kwargs,
         )
         max_tokens = body.max_completion_tokens or body.max_tokens
