@@ -101,6 +101,18 @@ def child(variant: str, phase: str, layers: int, width: int, cache: str, calls: 
     return {"first_call_s": first, "call_us": statistics.median(times) * 1e6}
 
 
+def aot_missing() -> str | None:
+    """Why this torch cannot run the aot variant (None when it can): the AOT-compile API
+    appeared after torch 2.11, which the project also supports."""
+    import torch
+
+    if not hasattr(torch.compile(forward), "aot_compile") or not hasattr(
+        torch.compiler, "load_compiled_function"
+    ):
+        return f"torch {torch.__version__} has no torch.compile(...).aot_compile"
+    return None
+
+
 def _spawn(*args: str) -> dict:
     res = subprocess.run(
         [sys.executable, __file__, "--child", *args], capture_output=True, text=True, cwd=ROOT
@@ -132,8 +144,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown := [m for m in chosen if m not in models]:
         parser.error(f"--models: unknown {unknown}; choose from {list(models)}")
 
+    missing = aot_missing()
+
     def measure(variant: str, label: str) -> dict:
         layers, width = models[label]
+        if variant == "aot" and missing:
+            row = {"variant": variant, "model": label, "skipped": missing}
+            print(json.dumps(row), flush=True)
+            return row
         with tempfile.TemporaryDirectory() as cache:
             common = (str(layers), str(width), cache, str(args.calls))
             cold = _spawn(variant, "cold", *common)
@@ -148,6 +166,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("\n| variant | model | cold first call s | warm first call s | warm call us |")
     print("|---|---|---|---|---|")
     for r in rows:
+        if "skipped" in r:
+            print(f"| {r['variant']} | {r['model']} | not measured: {r['skipped']} | |")
+            continue
         c, w = r["cold"], r["warm"]
         if "error" in c or "error" in w:
             errors = f"{c.get('error', '')} | {w.get('error', '')}"

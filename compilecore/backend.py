@@ -317,7 +317,7 @@ class CompilecoreBackend:
         if cache.enabled:
             compilation_counter.num_cache_misses += 1
         compilation_counter.num_inductor_compiles += 1
-        self.pass_manager.current_piece = name
+        self.pass_manager.current_piece, self.pass_manager.example_inputs = name, args
         # Without caches Inductor cannot make a savable artifact and says so; we do not save.
         quiet = logging.getLogger("torch._inductor.standalone_compile")
         level = quiet.level

@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -102,6 +103,7 @@ class PostGradPassManager(CustomGraphPass):
             passes = build_passes(self.switches, self.context, custom_passes)
         self.passes = passes
         self.current_piece = "graph"  # set by the backend before each piece's compile
+        self.example_inputs: Sequence[Any] | None = None  # that piece's inputs (verifier)
         # piece -> pass name -> sites matched (pieces whose passes ran; for a piece Inductor's
         # cache answered, the backend adds the report saved when they ran)
         self.match_counts: dict[str, dict[str, int]] = {}
@@ -122,7 +124,7 @@ class PostGradPassManager(CustomGraphPass):
             if self.context.dump_dir:
                 self._dump(step, graph_pass.name, before, graph, matched)
             if verify and matched:
-                verify_pass(graph_pass.name, before, graph, self.current_piece)
+                verify_pass(graph_pass.name, before, graph, self.current_piece, self.example_inputs)
         histogram["after"] = op_histogram(graph)
         self.histograms[self.current_piece] = histogram
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -36,12 +38,11 @@ def _concrete(value, size: int) -> int:
     return int(value)
 
 
-def _random_input(node: fx.Node, gen: torch.Generator):
-    value = node.meta.get("val")
+def _random_input(value, gen: torch.Generator):
     if isinstance(value, torch.SymInt | int):
         return _concrete(value, CONCRETE_SIZE)
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"placeholder {node.name} has no example value")
+        raise ValueError(f"no example value for a placeholder (got {type(value).__name__})")
     shape = [_concrete(s, CONCRETE_SIZE) for s in value.shape]
     if value.dtype.is_floating_point:
         t = torch.randn(shape, generator=gen) * 0.5
@@ -81,12 +82,28 @@ def _mismatch(want: torch.Tensor, got: torch.Tensor, tol: float) -> tuple[float,
     return diff, f"differs by {diff:.3g} (tolerance {tol * scale:.3g})"
 
 
-def verify_pass(name: str, before: fx.Graph, after: fx.Graph, piece: str = "graph") -> None:
-    """Raise PassVerificationError naming the pass, the piece and the worst output."""
+def verify_pass(
+    name: str,
+    before: fx.Graph,
+    after: fx.Graph,
+    piece: str = "graph",
+    example_inputs: Sequence[Any] | None = None,
+) -> None:
+    """Raise PassVerificationError naming the pass, the piece and the worst output.
+    Inputs are random values shaped like the placeholders' fake values; where the graph
+    has none (torch 2.11 leaves post-grad placeholders bare), like `example_inputs`, the
+    values the piece is compiled with, in placeholder order."""
     gen = torch.Generator().manual_seed(0)
     placeholders = [n for n in before.nodes if n.op == "placeholder"]
+    values = [n.meta.get("val") for n in placeholders]
+    if any(v is None for v in values) and example_inputs is not None:
+        if len(example_inputs) != len(values):
+            raise ValueError(
+                f"{piece} has {len(values)} inputs, but {len(example_inputs)} example values"
+            )
+        values = [e if v is None else v for v, e in zip(values, example_inputs)]
     with unset_fake_temporarily(), torch.no_grad():
-        inputs = [_random_input(n, gen) for n in placeholders]
+        inputs = [_random_input(v, gen) for v in values]
         want = fx.GraphModule(torch.nn.Module(), copy.deepcopy(before))(*inputs)
         got = fx.GraphModule(torch.nn.Module(), copy.deepcopy(after))(*inputs)
     want = want if isinstance(want, tuple | list) else (want,)

@@ -15,7 +15,11 @@ from models.loader import load_model
 from runtime.attention import TorchPagedAttentionBackend
 from runtime.attention.cpu_build import KernelBuildError, load_cpu_kernels
 from runtime.attention.cpu_paged import CpuPagedAttentionBackend
-from runtime.attention.triton_paged import TritonPagedAttentionBackend, triton_usable
+from runtime.attention.triton_paged import (
+    TritonPagedAttentionBackend,
+    interpreter_problem,
+    triton_usable,
+)
 from runtime.huge_pages import pack_parameters
 from runtime.model_runner import ModelRunner, StepPlan
 
@@ -41,10 +45,13 @@ def select_attention_backend(
         else:
             choice = "torch"
     if choice == "triton" and not triton_usable(device):
+        broken = device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1"
+        why = interpreter_problem() if broken else None
         raise ValueError(
-            "the Triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 to run "
-            "its kernels in the interpreter); use attention_backend='torch'"
-        )
+            (why + ": " if why else "the Triton attention backend needs a CUDA device (or "
+             "TRITON_INTERPRET=1 to run its kernels in the interpreter); ")
+            + "use attention_backend='torch'"
+        )  # fmt: skip
     if choice == "cpu" and device.type != "cpu":
         raise ValueError(f"the cpu attention backend runs on CPU tensors, not {device.type}")
     logger.info("attention backend: %s on %s", choice, device.type)

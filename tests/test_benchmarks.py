@@ -138,7 +138,9 @@ def test_aot_compile_compare_smoke():
     assert [(r["variant"], r["model"]) for r in rows] == [
         (v, "host") for v in ("recipe", "recipe-whole", "aot")
     ]
-    for r in rows:
+    missing = _load("aot_compile_compare").aot_missing()
+    assert ("skipped" in rows[2]) == (missing is not None)  # torch 2.11 lacks the API
+    for r in rows[: 2 if missing else 3]:
         for phase in ("cold", "warm"):
             assert "error" not in r[phase], r
             assert r[phase]["first_call_s"] > 0 and r[phase]["call_us"] > 0

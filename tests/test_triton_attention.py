@@ -12,11 +12,18 @@ from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
 from runtime.attention import TorchPagedAttentionBackend
-from runtime.attention.triton_paged import TritonPagedAttentionBackend, choose_num_splits
+from runtime.attention.triton_paged import (
+    TritonPagedAttentionBackend,
+    choose_num_splits,
+    interpreter_problem,
+)
 from tests.attention_cases import Batch, batches, build_case, run_and_check
 
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set without CUDA)"
+    not _INTERPRETER or interpreter_problem() is not None,
+    reason=(interpreter_problem() if _INTERPRETER else None)
+    or "needs TRITON_INTERPRET=1 (set without CUDA)",
 )
 SMALL = dict(
     head_sizes=(64, 80, 96, 128),

@@ -19,6 +19,7 @@ persistent buffers while the compiled pieces around attention replay as CUDA gra
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -236,4 +237,27 @@ def triton_usable(device: torch.device) -> bool:
 
     if importlib.util.find_spec("triton") is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1" and interpreter_problem() is None
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run these kernels here, or None. Triton 3.6's
+    interpreter gives program ids as 1-element arrays, which numpy 2.4 refuses to turn
+    into loop bounds (compiled kernels on a GPU are not affected)."""
+    import numpy
+    import triton
+
+    from runtime.attention.triton_kernels import interpreter_probe_kernel
+
+    try:
+        interpreter_probe_kernel[(2,)](torch.zeros(1, dtype=torch.int32))
+    except Exception as exc:  # the interpreter's own error types differ by version
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run a loop bounded by a "
+            f"program id with numpy {numpy.__version__} ({type(exc).__name__}: {exc}); Triton "
+            "3.8 runs them"
+        )
+    return None
