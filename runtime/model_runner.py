@@ -23,6 +23,7 @@ from compilecore.config import EngineConfig
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from compilecore.recipe import weights_version
+from passes.ops import gemv
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
@@ -47,6 +48,9 @@ class StepPlan:
     block_tables: list[list[int]] = field(default_factory=list)
     num_decodes: int = 0
     logits_rows: list[int] = field(default_factory=list)  # last token of each sampling row
+    # The logits only feed an argmax (every row greedy without logprobs or processing):
+    # the batch-1 LM head may compute only the rows that can win (passes/ops/gemv.py).
+    argmax_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +94,9 @@ def plan_step(
         if req.sampling_params.prompt_logprobs is not None and begin < req.num_prompt_tokens - 1:
             last = min(end, req.num_prompt_tokens - 1)  # the last prompt row predicts output
             prompt_rows.append(PromptLogprobRows(req, 0, last - begin, begin))
+    plan.argmax_only = (
+        bool(sampling) and not prompt_rows and all(s.request.plain_greedy for s in sampling)
+    )
     start = len(plan.logits_rows)
     for rows in prompt_rows:
         first_row = plan.query_starts[order.index(_scheduled_of(order, rows.request))]
@@ -120,6 +127,7 @@ def pad_decode_plan(plan: StepPlan, size: int) -> StepPlan:
         block_tables=plan.block_tables + [[0]] * extra,
         num_decodes=size,
         logits_rows=list(range(size)),
+        argmax_only=plan.argmax_only,
     )
 
 
@@ -250,17 +258,23 @@ class ModelRunner:
         rank 0 (the driver), None elsewhere."""
         if self.cpu_graphs_version != weights_version():  # a weight replaced: re-record
             self.cpu_graphs.clear()
+            gemv.invalidate_screens()
             self.cpu_graphs_version = weights_version()
         size = self._cpu_graph_size(plan)
         graph = self.cpu_graphs.get(size) if size is not None else None
-        if graph is not None:
-            # A recorded step calls no torch function on the way, not even inference
-            # mode's guard: right after the weights have streamed through the caches each
-            # such call costs tens of microseconds (benchmarks/NOTES.md, section 30).
-            self._write_inputs(pad_decode_plan(plan, size))
-            logits = graph.replay()
-            return logits if size == plan.num_tokens else logits[: plan.num_tokens]
-        return self._execute(plan, size)
+        # Only for this step: whoever computes logits next (a test, a tool) gets them all.
+        gemv.set_argmax_only(plan.argmax_only)
+        try:
+            if graph is not None:
+                # A recorded step calls no torch function on the way, not even inference
+                # mode's guard: right after the weights have streamed through the caches
+                # each such call costs tens of microseconds (benchmarks/NOTES.md, section 30).
+                self._write_inputs(pad_decode_plan(plan, size))
+                logits = graph.replay()
+                return logits if size == plan.num_tokens else logits[: plan.num_tokens]
+            return self._execute(plan, size)
+        finally:
+            gemv.set_argmax_only(False)
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan, cpu_graph_size: int | None) -> torch.Tensor | None:

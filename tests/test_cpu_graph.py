@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +67,33 @@ def test_replayed_logits_equal_piecewise_logits_every_step(compiled):
         assert got.keys() == want.keys()
         for token in want:
             assert abs(got[token].logprob - want[token].logprob) < 1e-6
+
+
+def test_plain_greedy_reads_the_screened_head_and_keeps_every_token(compiled):
+    """Plain greedy steps take the LM head's screened path (passes/ops/gemv.py); a request
+    with logprobs gets every logit. Their tokens are the same, replayed and piece by
+    piece, and after the weights are reloaded in place (the screen is made again)."""
+    from models.loader import iterate_weights
+    from passes.ops import gemv
+
+    full = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    runner = compiled.llm_engine.runner
+    head = runner.model.lm_head.weight
+    for graphs in (True, False):
+        saved = runner.cpu_graphs.get(1)
+        if not graphs:
+            runner.cpu_graphs[1] = None
+        assert _tokens(compiled) == _tokens(compiled, full)
+        runner.cpu_graphs[1] = saved
+    if gemv._kernel().gemv_screen_available():
+        assert (head.data_ptr(), tuple(head.shape)) in gemv._SCREENS
+    files = sorted(Path(compiled.engine_config.model_config.model).glob("*.safetensors"))
+    try:
+        runner.model.load_weights((n, t.flip(0)) for n, t in iterate_weights(files))
+        assert _tokens(compiled) == _tokens(compiled, full)
+    finally:
+        runner.model.load_weights(iterate_weights(files))
+        _tokens(compiled)  # records the graph again: later tests start from a steady engine
 
 
 class _TorchCalls(torch.overrides.TorchFunctionMode):

@@ -91,3 +91,79 @@ def test_long_rows_get_an_unrolled_build_of_their_own():
     assert gemv._kernel(native.unrolled_sizes(576)).gemv_unrolled(577) == 0
     assert gemv._kernel().gemv_unrolled(576) == 0
     assert native.unrolled_sizes(64, 576, 1536, 576, 10**6) == (576, 1536)
+
+
+def _screened(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    gemv.set_argmax_only(True)
+    try:
+        return torch.ops.compilecore.gemv_logits(x, w)
+    finally:
+        gemv.set_argmax_only(False)
+
+
+needs_screen = pytest.mark.skipif(
+    not gemv._kernel().gemv_screen_available(), reason="no AVX512-VNNI here"
+)
+
+
+@needs_screen
+@testing.settings(max_examples=40)
+@given(
+    n=st.integers(1, 3000), k=st.sampled_from([1, 33, 64, 200, 576]),
+    spread=st.sampled_from([0.02, 1.0]), ties=st.integers(0, 3), seed=st.integers(0, 2**16),
+    outlier=st.sampled_from([1.0, 30.0]),
+)  # fmt: skip
+def test_screened_head_keeps_the_full_products_argmax(n, k, spread, ties, seed, outlier):
+    """With argmax_only set, rows that cannot win are -inf and the rest are the full
+    product's values bit for bit, so the argmax (ties: the first index) is the same.
+    Near-ties are forced by copying the best row below it (`ties` times, a few rows
+    apart) and by rows that differ from it in one weight; `outlier` puts one large value
+    in x, which coarsens the screen's int8 x."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * spread).bfloat16()
+    x = torch.randn(1, k, generator=gen)
+    x[0, seed % k] *= outlier
+    x = x.bfloat16()
+    full = torch.ops.compilecore.gemv_logits(x, w)
+    best = int(full.argmax())
+    for i in range(ties):  # exact copies of the winning row, before and after it
+        w[(best + 7 * (i + 1) * (-1) ** i) % n] = w[best]
+    if n > 2:
+        w[(best + 1) % n] = w[best]
+        w[(best + 1) % n, 0] = w[best, 0] + torch.tensor(0.001).bfloat16()
+    full = torch.ops.compilecore.gemv_logits(x, w)
+    gemv.invalidate_screens()  # w was written in place
+    screened = _screened(x, w)
+    kept = screened > -torch.inf
+    assert int(screened.argmax()) == int(full.argmax())
+    assert torch.equal(screened[kept], full[kept])
+    assert kept.sum() >= 1
+
+
+@needs_screen
+def test_screened_head_follows_the_flag_and_computes_few_rows(tmp_path):
+    """Without argmax_only, or with more than one row, the head is the full product; a
+    CPU graph recorded with the flag off follows it at replay. With a clear winner (a
+    576-wide head of 4096 rows) few rows are computed exactly."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(4096, 576, generator=gen) * 0.05).bfloat16()
+    x = (torch.randn(1, 576, generator=gen) * 2).bfloat16()
+    full = torch.ops.compilecore.gemv_logits(x, w)
+    assert torch.equal(torch.ops.compilecore.gemv_logits(x, w), full)  # flag off: all rows
+    two = torch.cat([x, x])
+    gemv.set_argmax_only(True)
+    try:
+        assert torch.equal(torch.ops.compilecore.gemv_logits(two, w)[0], full[0])
+    finally:
+        gemv.set_argmax_only(False)
+    screened = _screened(x, w)
+    assert int(screened.argmax()) == int(full.argmax())
+    assert (screened > -torch.inf).sum() < 4096 // 4
+    with torch.inference_mode():
+        _, graph = cpu_graph.capture(lambda: torch.ops.compilecore.gemv_logits(x, w), tmp_path)
+    gemv.set_argmax_only(True)
+    try:
+        assert torch.equal(graph.replay(), screened)
+    finally:
+        gemv.set_argmax_only(False)
+    assert torch.equal(graph.replay(), full)

@@ -37,7 +37,64 @@ def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
     lib.gemv_bf16_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
     lib.gemv_bf16_f32.restype = None
     lib.gemv_unrolled.argtypes, lib.gemv_unrolled.restype = [i64], i64
+    lib.gemv_screen_available.argtypes, lib.gemv_screen_available.restype = [], i64
+    lib.gemv_head_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr,
+                                   i64, ptr]  # fmt: skip
+    lib.gemv_head_bf16.restype = None
     return lib
+
+
+# -- the screened head: greedy steps read an int8 copy of the LM head ----------------------
+# Whether the logits of the step being run only feed an argmax (greedy sampling without
+# logprobs): the model runner sets it before each step; a recorded CPU graph reads it
+# through its address, so a replay follows the current step.
+_ARGMAX_ONLY = torch.zeros(1, dtype=torch.int64)
+_ARGMAX_ONLY_VIEW = _ARGMAX_ONLY.numpy()
+_SCREENS: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+
+
+def set_argmax_only(flag: bool) -> None:
+    """Say whether the next step's logits serve only an argmax. When they do, the batch-1
+    LM head computes the exact logit only of rows that can be the largest and -inf for the
+    rest (`gemv_head_bf16`): the argmax is the full product's, the other values are not."""
+    _ARGMAX_ONLY_VIEW[0] = flag
+
+
+def invalidate_screens() -> None:
+    """Weights were written: the int8 copies are made again from them on next use."""
+    _SCREENS.clear()
+
+
+def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The int8 copy of w ([N, K] bf16): rows padded to Kp (a multiple of 64) in huge
+    pages, per row (scale, |w - q scale|, |q scale|, sum of q) as fp32, Kp, and the slack
+    per unit of |x| that covers fp32 rounding in both products (a float's bits)."""
+    key = (w.data_ptr(), tuple(w.shape))
+    if (entry := _SCREENS.get(key)) is not None:
+        return entry
+    (n, k), kp = w.shape, -(-w.shape[1] // 64) * 64
+    q, _ = native.huge_page_buffer(n * kp)
+    q = q.view(torch.int8).view(n, kp)
+    meta = torch.empty(n, 4)
+    with torch.no_grad():
+        for start in range(0, n, 4096):  # fp32 temporaries a few MB at a time
+            rows = w[start : start + 4096].float()
+            scale = rows.abs().amax(1).clamp_min(1e-30) / 127
+            qr = (rows / scale[:, None]).round_().clamp_(-127, 127)
+            q[start : start + 4096, :k] = qr.to(torch.int8)
+            q[start : start + 4096, k:] = 0
+            approx = qr * scale[:, None]
+            m = meta[start : start + 4096]
+            m[:, 0], m[:, 1] = scale, (rows - approx).norm(dim=1)
+            m[:, 2], m[:, 3] = approx.norm(dim=1), qr.sum(1)
+            m[:, 1:3] *= 1 + 1e-5  # the norms' own rounding, upward
+        # fp32 error of a K-term dot product is at most ~K * 2**-24 * |x| |w_row|; both
+        # loops err, so twice that, and twice again for margin.
+        slack = 4 * k * 2**-24 * float(w.float().norm(dim=1).max())
+    slack_bits = int(torch.tensor(slack, dtype=torch.float32).view(torch.int32))
+    entry = (q, meta, kp, slack_bits & 0xFFFFFFFF)
+    _SCREENS[key] = entry
+    return entry
 
 
 def own_kernel_available(dtype: torch.dtype) -> bool:
@@ -61,11 +118,14 @@ def gemv_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = torch.empty((m, n), dtype=torch.float32)
     if m:
         lib = _kernel(native.unrolled_sizes(k)) or _kernel()
-        args = (x, x.stride(0), w, w.stride(0), y, m, n, k, torch.get_num_threads())
-        lib.gemv_bf16_f32(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+        args: tuple = (x, x.stride(0), w, w.stride(0), y, m, n, k, torch.get_num_threads())
+        fn = lib.gemv_bf16_f32
+        if m == 1 and lib.gemv_screen_available():
+            q, meta, kp, slack_bits = _screen(w)
+            args, fn = (*args, q, kp, meta, slack_bits, _ARGMAX_ONLY), lib.gemv_head_bf16
+        fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
         if native.is_capturing():  # a CPU graph replays this call on the same buffers
-            address = native.function_address(lib.gemv_bf16_f32)
-            native.record_native_call(address, args, "compilecore.gemv_logits")
+            native.record_native_call(native.function_address(fn), args, "compilecore.gemv_logits")
     return y
 
 
