@@ -167,3 +167,17 @@ def test_screened_head_follows_the_flag_and_computes_few_rows(tmp_path):
     finally:
         gemv.set_argmax_only(False)
     assert torch.equal(graph.replay(), full)
+
+
+@needs_screen
+def test_a_new_head_at_a_freed_heads_address_gets_its_own_screen():
+    """Screens are found by address; a head of the same shape written where another was
+    (a model made after one freed) is not screened with the old copy."""
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(512, 64, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(1, 64, generator=gen).bfloat16()
+    first = _screened(x, w)
+    w.copy_((torch.randn(512, 64, generator=gen) * 0.1).bfloat16())  # same address, new head
+    full = torch.ops.compilecore.gemv_logits(x, w)
+    again = _screened(x, w)
+    assert int(again.argmax()) == int(full.argmax()) != int(first.argmax())

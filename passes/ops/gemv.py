@@ -50,7 +50,9 @@ def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
 # through its address, so a replay follows the current step.
 _ARGMAX_ONLY = torch.zeros(1, dtype=torch.int64)
 _ARGMAX_ONLY_VIEW = _ARGMAX_ONLY.numpy()
-_SCREENS: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+# (address, shape) -> (q, meta, Kp, slack bits, sampled rows of w when it was made)
+_SCREENS: dict[tuple[int, tuple[int, ...]], tuple] = {}
+_SAMPLED_ROWS = 8
 
 
 def set_argmax_only(flag: bool) -> None:
@@ -70,31 +72,35 @@ def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     pages, per row (scale, |w - q scale|, |q scale|, sum of q) as fp32, Kp, and the slack
     per unit of |x| that covers fp32 rounding in both products (a float's bits)."""
     key = (w.data_ptr(), tuple(w.shape))
-    if (entry := _SCREENS.get(key)) is not None:
-        return entry
     (n, k), kp = w.shape, -(-w.shape[1] // 64) * 64
+    rows = torch.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).long()
+    entry = _SCREENS.get(key)
+    # A freed head's address can come back as another model's head of the same shape
+    # (LLMs made one after another in a process): a few of its rows tell them apart.
+    if entry is not None and torch.equal(entry[4], w[rows]):
+        return entry[:4]
     q, _ = native.huge_page_buffer(n * kp)
     q = q.view(torch.int8).view(n, kp)
     meta = torch.empty(n, 4)
     with torch.no_grad():
         for start in range(0, n, 4096):  # fp32 temporaries a few MB at a time
-            rows = w[start : start + 4096].float()
-            scale = rows.abs().amax(1).clamp_min(1e-30) / 127
-            qr = (rows / scale[:, None]).round_().clamp_(-127, 127)
+            chunk = w[start : start + 4096].float()
+            scale = chunk.abs().amax(1).clamp_min(1e-30) / 127
+            qr = (chunk / scale[:, None]).round_().clamp_(-127, 127)
             q[start : start + 4096, :k] = qr.to(torch.int8)
             q[start : start + 4096, k:] = 0
             approx = qr * scale[:, None]
             m = meta[start : start + 4096]
-            m[:, 0], m[:, 1] = scale, (rows - approx).norm(dim=1)
+            m[:, 0], m[:, 1] = scale, (chunk - approx).norm(dim=1)
             m[:, 2], m[:, 3] = approx.norm(dim=1), qr.sum(1)
             m[:, 1:3] *= 1 + 1e-5  # the norms' own rounding, upward
         # fp32 error of a K-term dot product is at most ~K * 2**-24 * |x| |w_row|; both
         # loops err, so twice that, and twice again for margin.
         slack = 4 * k * 2**-24 * float(w.float().norm(dim=1).max())
     slack_bits = int(torch.tensor(slack, dtype=torch.float32).view(torch.int32))
-    entry = (q, meta, kp, slack_bits & 0xFFFFFFFF)
+    entry = (q, meta, kp, slack_bits & 0xFFFFFFFF, w[rows].clone())
     _SCREENS[key] = entry
-    return entry
+    return entry[:4]
 
 
 def own_kernel_available(dtype: torch.dtype) -> bool:
