@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from compilecore.compile_cache import file_digest
+from passes.ops import gemv, packed_linear
 
 logger = logging.getLogger("compilecore")
 
@@ -213,6 +214,8 @@ def mark_weights_changed() -> None:
     """Weights were written in place (a reload): graphs and everything derived from the
     weights are made again before their next use."""
     _REGISTRATIONS[0] += 1
+    packed_linear.weights_written()
+    gemv.invalidate_screens()
 
 
 def weights_version() -> int:

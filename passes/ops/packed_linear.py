@@ -4,8 +4,9 @@ weight packed once for the kernel that runs it.
 `torch.mm` on a bf16 CPU tensor reorders the weight into oneDNN's layout on every call:
 at the batch sizes of decode (2-64 rows) that reorder costs more than the product. So the
 weight is prepared once and kept, in a table keyed by the weight tensor itself (made again
-when the weight's storage or version changes: a reload, an in-place copy; freed with the
-weight), for one of two kernels:
+when the weight's storage or version changes, or after `weights_written`: a copy through
+`.data`, as weight loaders write, moves no version count; freed with the weight), for one
+of two kernels:
 
 - `packed_mm.cpp` (bf16, AVX512-BF16 without AMX, every row count): our tiles of 16 rows
   x 16 columns on a `vdpbf16ps`-friendly layout. Over the model's GEMM shapes it ran
@@ -32,8 +33,15 @@ from passes.ops import onednn_shim
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
 # from 2 to 2048 rows (section 23), so one copy serves every batch.
 PACK_BATCH_HINT = 2048
-# id(weight) -> (weak reference to it, (data_ptr, version), its prepared copy)
+# id(weight) -> (weak reference to it, (data_ptr, version, writes), its prepared copy)
 _PACKED: dict[int, tuple] = {}
+_WRITES = [0]
+
+
+def weights_written() -> None:
+    """Weights were written in place in a way their version counts do not see (through
+    `.data`): every packed copy is made again at its next use."""
+    _WRITES[0] += 1
 
 
 class _HugePageArena:
@@ -128,7 +136,7 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
     # up than a WeakIdKeyDictionary, and a batched step looks up 121 weights.
     ident = id(w)
     entry = _PACKED.get(ident)
-    key = (w.data_ptr(), _version(w))
+    key = (w.data_ptr(), _version(w), _WRITES[0])
     if entry is None or entry[0]() is not w or entry[1] != key:
         with torch.no_grad():
             packed = _prepare(w)
