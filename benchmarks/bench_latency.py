@@ -36,6 +36,8 @@ from common import (  # noqa: E402
     SAMPLED,
     PairedBandwidth,
     WeightsRead,
+    bytes_read_per_token,
+    decode_once,
     decode_speed,
     drawn,
     read_bandwidth,
@@ -109,14 +111,20 @@ MEMORY = "memory (a sum over the weights' bytes per token)"
 
 
 def paired_rounds(
-    llm: LLM, prompt: list[int], gguf: Path | None, weights: int, args: argparse.Namespace
+    llm: LLM,
+    prompt: list[int],
+    gguf: Path | None,
+    weights: int,
+    ours_bytes: int,
+    args: argparse.Namespace,
 ) -> tuple[dict[str, dict], list[float]]:
     """compilecore, llama.cpp (with a GGUF) and the memory's own decode (`WeightsRead`) in
     alternating rounds (on a machine whose speed swings by the minute, one run each
     minutes apart compares two different machines), every run paired with the read
     bandwidth just around it. Returns their rows by role ("ours", "theirs" with a GGUF,
     "memory"; each its best round's median tok/s and its median share of the paired
-    bandwidth) and the ceiling measurements taken between rounds."""
+    bandwidth, counting the bytes it reads: `ours_bytes` for compilecore, all `weights`
+    for the others) and the ceiling measurements taken between rounds."""
     threads = torch.get_num_threads()
     paired, memory = PairedBandwidth(), WeightsRead(weights)
     shares: dict[str, list[float]] = {"ours": [], "theirs": [], "memory": []}
@@ -124,7 +132,8 @@ def paired_rounds(
     bandwidths = []
 
     def timed(name: str) -> Callable[[Callable[[], float]], float]:
-        return functools.partial(paired.around, bytes_per_unit=weights, shares=shares[name])
+        nbytes = ours_bytes if name == "ours" else weights
+        return functools.partial(paired.around, bytes_per_unit=nbytes, shares=shares[name])
 
     for _ in range(max(1, args.rounds)):
         speed = decode_speed(llm, prompt, args.tokens, args.repeats, timed("ours"), args.sampling)
@@ -143,9 +152,10 @@ def paired_rounds(
         names["theirs"] = f"llama.cpp ({gguf.stem.rsplit('-', 1)[-1].upper()})"
     names["memory"] = MEMORY
     rows = {
-        key: {"engine": engine, "tok_s": best[key], "of_paired_bw": statistics.median(shares[key])}
+        key: {"engine": engine, "tok_s": best[key], "of_paired_bw": statistics.median(shares[key]),
+              "MB_read": (ours_bytes if key == "ours" else weights) / 1e6}
         for key, engine in names.items()
-    }
+    }  # fmt: skip
     return rows, bandwidths
 
 
@@ -182,12 +192,15 @@ def main(argv: list[str] | None = None) -> Path:
         prompt = chat_prompt(llm)
         weights = weight_bytes(llm)
         if name == "compilecore compiled":
-            paired, taken = paired_rounds(llm, prompt, None if lacking else gguf, weights, args)
+            decode_once(llm, prompt, 8, args.sampling)  # a greedy step makes the head's screen
+            ours_bytes = bytes_read_per_token(llm, args.sampling)
+            theirs = None if lacking else gguf
+            paired, taken = paired_rounds(llm, prompt, theirs, weights, ours_bytes, args)
             rows.append(paired["ours"])
             bandwidths += taken
         else:
             ours = decode_speed(llm, prompt, args.tokens, args.repeats, sampling=args.sampling)
-            rows.append({"engine": name, "tok_s": ours})
+            rows.append({"engine": name, "tok_s": ours, "MB_read": weights / 1e6})
         model_dir = llm.engine_config.model_config.model
         dtype = llm.engine_config.model_config.dtype
         del llm
@@ -199,15 +212,16 @@ def main(argv: list[str] | None = None) -> Path:
         hf = [("HF eager", False)] + [("HF static+compile+freezing", True)] * args.hf_compile
         for name, compiled in hf:
             speed = hf_decode_speed(model_dir, dtype, prompt, args.tokens, compiled, args.sampling)
-            rows.append({"engine": name, "tok_s": speed})
+            rows.append({"engine": name, "tok_s": speed, "MB_read": weights / 1e6})
     rows.append(paired["memory"])  # last in the table, after every engine
     bandwidths.append(read_bandwidth())
     ceiling_gbs = max(bandwidths)
     ceiling = ceiling_gbs * 1e9 / weights
     reference = next((r["tok_s"] for r in rows if r["engine"].startswith("llama.cpp")), None)
     for r in rows:
-        r["GB_s"] = weights * r["tok_s"] / 1e9
-        r["of_ceiling"] = r["tok_s"] / ceiling
+        r["GB_s"] = r["MB_read"] * r["tok_s"] / 1e3
+        r["of_ceiling"] = r["GB_s"] / ceiling_gbs
+        r["of_floor_speed"] = r["tok_s"] / ceiling
         if reference:
             r["vs_llama_cpp"] = r["tok_s"] / reference
     title = (
@@ -215,10 +229,13 @@ def main(argv: list[str] | None = None) -> Path:
         f"{drawn(args.sampling)}, {args.dtype}, {threads} "
         f"threads; read bandwidth {ceiling_gbs:.1f} GB/s (best of {len(bandwidths)} measurements "
         f"through the run, lowest {min(bandwidths):.1f}), weights {weights / 1e6:.0f} MB per "
-        f"token, ceiling {ceiling:.0f} tok/s; of_paired_bw: median over runs of a run's GB/s "
-        f"against sums just before and after it"
+        f"token, floor speed {ceiling:.0f} tok/s (all weights read at the ceiling); GB_s: "
+        f"MB_read (the bytes each engine reads a token) x tok/s; of_ceiling: GB_s against the "
+        f"ceiling; of_floor_speed: tok/s against the floor speed; of_paired_bw: median over "
+        f"runs of a run's GB/s against sums just before and after it"
     )
-    columns = ["engine", "tok_s", "vs_llama_cpp", "GB_s", "of_ceiling", "of_paired_bw"]
+    columns = ["engine", "tok_s", "vs_llama_cpp", "MB_read", "GB_s", "of_ceiling",
+               "of_floor_speed", "of_paired_bw"]  # fmt: skip
     name = "latency_sampled" if args.sampled else "latency"
     return save_results(name, rows, columns, title, Path(args.out), chart_key="tok_s")
 

@@ -57,6 +57,10 @@ def test_latency_smoke(tiny_llama, tmp_path, draw):
     memory = "memory (a sum over the weights' bytes per token)"
     assert set(rows) == {"compilecore eager", "compilecore compiled", memory, "HF eager"}
     assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in rows.values())
+    weights = rows[memory]["MB_read"]  # fp32: no screened head, every engine reads it all
+    assert all(r["MB_read"] == weights for r in rows.values())
+    for r in rows.values():  # the bandwidth share and the speed share agree at equal bytes
+        assert r["of_ceiling"] == pytest.approx(r["of_floor_speed"])
     # the compiled engine and the memory's own decode ran in the paired rounds
     assert rows["compilecore compiled"]["of_paired_bw"] > 0 and rows[memory]["of_paired_bw"] > 0
     assert "of_paired_bw" not in rows["compilecore eager"]

@@ -54,6 +54,25 @@ def test_decode_replays_one_graph_equal_to_piecewise(compiled):
     runner.cpu_graphs[1] = graph
 
 
+def test_latency_benchmark_counts_the_bytes_a_step_reads(compiled):
+    """bench_latency's GB/s and shares count what each engine reads a token: a greedy
+    step of ours reads the head through its int8 screen, a sampled one the whole head."""
+    from passes.ops import gemv
+    from tests.test_benchmarks import _load
+
+    common = _load("common")
+    _tokens(compiled)
+    full = common.weight_bytes(compiled)
+    assert common.bytes_read_per_token(compiled, {"temperature": 0.8, "top_p": 0.95}) == full
+    head = compiled.llm_engine.model.lm_head.weight
+    greedy = common.bytes_read_per_token(compiled, None)
+    if gemv._kernel() is not None and gemv._kernel().gemv_screen_available():
+        screen = gemv.screen_bytes(head)
+        assert greedy == full - head.numel() * 2 + screen < full
+    else:
+        assert greedy == full
+
+
 def test_replayed_logits_equal_piecewise_logits_every_step(compiled):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     runner = compiled.llm_engine.runner

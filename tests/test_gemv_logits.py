@@ -181,3 +181,15 @@ def test_a_new_head_at_a_freed_heads_address_gets_its_own_screen():
     full = torch.ops.compilecore.gemv_logits(x, w)
     again = _screened(x, w)
     assert int(again.argmax()) == int(full.argmax()) != int(first.argmax())
+
+
+@needs_screen
+def test_screen_bytes_are_the_int8_copy_and_its_row_data():
+    """What a screened call reads in place of the head (benchmarks count it): N x Kp int8
+    and four floats a row; nothing before the first screened call or after a reload."""
+    w = (torch.randn(300, 100) * 0.1).bfloat16()
+    assert gemv.screen_bytes(w) is None
+    _screened(torch.randn(1, 100).bfloat16(), w)
+    assert gemv.screen_bytes(w) == 300 * 128 + 300 * 4 * 4
+    gemv.invalidate_screens()
+    assert gemv.screen_bytes(w) is None

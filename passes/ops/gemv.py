@@ -67,6 +67,16 @@ def invalidate_screens() -> None:
     _SCREENS.clear()
 
 
+def screen_bytes(w: torch.Tensor) -> int | None:
+    """Bytes a screened head call reads for w in place of w's own: its int8 copy and the
+    per-row data (the few rows computed exactly aside); None while w has no screen."""
+    entry = _SCREENS.get((w.data_ptr(), tuple(w.shape)))
+    if entry is None:
+        return None
+    q, meta = entry[0], entry[1]
+    return q.numel() * q.element_size() + meta.numel() * meta.element_size()
+
+
 def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The int8 copy of w ([N, K] bf16): rows padded to Kp (a multiple of 64) in huge
     pages, per row (scale, |w - q scale|, |q scale|, sum of q) as fp32, Kp, and the slack
