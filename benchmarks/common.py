@@ -219,9 +219,22 @@ def print_table(results: dict, title: str, baseline: str) -> None:
         print(f"| {name} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['startup_s']:.1f} |")
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name: machines of one kind here have been an AMD EPYC one session
+    and an AMX Xeon the next, which moves every figure (NOTES section 41)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
+
+
 def machine() -> dict:
+    amx = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
     return {
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "amx": bool(amx()) if amx is not None else None,
         "cpus": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
