@@ -20,7 +20,12 @@ def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_generate_with_default_model():
-    res = _cli("generate", "--eager", "--max-tokens", "12", "-v", "What is the capital of France?")
+    # fp32: the first token is a near-tie ("The" over "L" by 0.08 logits in fp32, under
+    # one bf16 step at that size); under torch 2.11 the bf16 eager engine, within bf16
+    # rounding of HF, picks "L". tests/test_default_model.py checks bf16 against HF with
+    # a margin.
+    args = ("--eager", "--dtype", "float32", "--max-tokens", "12", "-v")
+    res = _cli("generate", *args, "What is the capital of France?")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert "tokens, first after" in res.stderr

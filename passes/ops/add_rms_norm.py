@@ -24,39 +24,10 @@ def fused_add_rms_norm_ref(
     return rms_norm(summed, weight, eps), summed
 
 
-_kernel = None
-
-
 def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
+    from passes.ops.triton_fused import add_rms_norm_kernel
 
-        @triton.jit
-        def add_rms_norm_kernel(
-            x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps, BLOCK: tl.constexpr
-        ):
-            row = tl.program_id(0)
-            cols = tl.arange(0, BLOCK)
-            mask = cols < n_cols
-            offs = row * n_cols + cols
-            dtype = out_ptr.dtype.element_ty
-            # fp32 arithmetic, rounded to the input dtype wherever the unfused graph rounds
-            # (the add, the normalized value, the weight product): same results, and the
-            # interpreter has no 16-bit float arithmetic.
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            s = (x + r).to(dtype)
-            tl.store(new_res_ptr + offs, s, mask=mask)
-            sf = s.to(tl.float32)
-            var = tl.sum(sf * sf, axis=0) / n_cols
-            normed = (sf * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + offs, (w * normed).to(dtype), mask=mask)
-
-        _kernel = add_rms_norm_kernel
-    return _kernel
+    return add_rms_norm_kernel
 
 
 def fused_add_rms_norm_triton(

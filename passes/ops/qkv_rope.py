@@ -49,64 +49,10 @@ def fused_qkv_rope_ref(
     return apply_rope(q, cos, sin, head_dim), apply_rope(k, cos, sin, head_dim), v.clone()
 
 
-_kernel = None
-
-
 def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
+    from passes.ops.triton_fused import qkv_rope_kernel
 
-        @triton.jit
-        def qkv_rope_kernel(
-            qkv_ptr,
-            pos_ptr,
-            cache_ptr,
-            q_ptr,
-            k_ptr,
-            v_ptr,
-            qkv_stride,
-            cache_stride,
-            NUM_HEADS: tl.constexpr,
-            NUM_KV: tl.constexpr,
-            HEAD: tl.constexpr,
-            HALF_BLOCK: tl.constexpr,
-        ):
-            token = tl.program_id(0)
-            head = tl.program_id(1)  # q heads, then k heads, then v heads
-            half = HEAD // 2
-            cols = tl.arange(0, HALF_BLOCK)
-            mask = cols < half
-            src = qkv_ptr + token * qkv_stride + head * HEAD
-            dtype = q_ptr.dtype.element_ty
-            # fp32 arithmetic rounded like the unfused ops (each product, then the sum).
-            x1 = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(src + half + cols, mask=mask, other=0.0).to(tl.float32)
-            if head < NUM_HEADS + NUM_KV:
-                pos = tl.load(pos_ptr + token)
-                cos = tl.load(cache_ptr + pos * cache_stride + cols, mask=mask, other=0.0)
-                sin = tl.load(cache_ptr + pos * cache_stride + half + cols, mask=mask, other=0.0)
-                cos = cos.to(dtype).to(tl.float32)
-                sin = sin.to(dtype).to(tl.float32)
-                a = (x1 * cos).to(dtype).to(tl.float32)
-                b = (x2 * sin).to(dtype).to(tl.float32)
-                c = (x2 * cos).to(dtype).to(tl.float32)
-                d = (x1 * sin).to(dtype).to(tl.float32)
-                o1 = a - b
-                o2 = c + d
-                if head < NUM_HEADS:
-                    dst = q_ptr + token * NUM_HEADS * HEAD + head * HEAD
-                else:
-                    dst = k_ptr + token * NUM_KV * HEAD + (head - NUM_HEADS) * HEAD
-            else:
-                o1, o2 = x1, x2
-                dst = v_ptr + token * NUM_KV * HEAD + (head - NUM_HEADS - NUM_KV) * HEAD
-            tl.store(dst + cols, o1.to(dtype), mask=mask)
-            tl.store(dst + half + cols, o2.to(dtype), mask=mask)
-
-        _kernel = qkv_rope_kernel
-    return _kernel
+    return qkv_rope_kernel
 
 
 def fused_qkv_rope_triton(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim):
