@@ -2,15 +2,19 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Without a GPU, Triton kernels are tested in the interpreter. Set before torch is imported:
+# torch._dynamo imports triton.language, and Triton makes each function interpreted or not
+# when it is defined, its own helpers (`tl.sum`) included; under Triton 3.6 a kernel that
+# calls a helper defined before the variable was set fails.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers import build_tokenizer, llama_config, save_checkpoint
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers import build_tokenizer, llama_config, save_checkpoint  # noqa: E402
 
 os.environ.setdefault("PYTHONBREAKPOINT", "0")
-# Without a GPU, Triton kernels are tested in the interpreter (read when kernels are built).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
