@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import gc
 import itertools
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from passes import native
 from passes.native import huge_page_buffer
 from runtime import LLM, SamplingParams
 
@@ -67,26 +69,70 @@ def _sum_buffer(nbytes: int, dtype: torch.dtype, device: str, huge: bool) -> tor
     return huge_page_buffer(nbytes)[0].view(dtype).fill_(1)
 
 
+@functools.cache
+def _memory_read() -> ctypes.CDLL | None:
+    """memory_read.cpp built for this CPU, or None (torch's sum alone then)."""
+    source = Path(__file__).with_name("memory_read.cpp")
+    try:
+        lib = native.load_library(source.read_text(), source.stem, native.cache_root())
+    except (OSError, native.KernelBuildError):
+        return None
+    if not lib.memory_read_available():
+        return None
+    lib.memory_read_sum.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3
+    lib.memory_read_sum.restype = ctypes.c_float
+    return lib
+
+
+def sums(buffer: torch.Tensor) -> list[Callable[[], object]]:
+    """The reads of all of `buffer` this machine offers: torch's sum, and on a CPU with
+    AVX-512 a native loop without and with a software prefetch (memory_read.cpp): the
+    engine's products prefetch on Intel CPUs, so a ceiling must read that way too."""
+    reads: list[Callable[[], object]] = [buffer.sum]
+    lib = _memory_read() if buffer.device.type == "cpu" else None
+    if lib is not None and buffer.dtype == torch.float32 and buffer.is_contiguous():
+        args = (buffer.data_ptr(), buffer.numel(), torch.get_num_threads())
+        reads += [functools.partial(lib.memory_read_sum, *args, ahead) for ahead in (0, 4096)]
+    return reads
+
+
+def fastest_sum(buffer: torch.Tensor) -> Callable[[], object]:
+    """Of `sums(buffer)`, the one whose best of three runs was fastest."""
+
+    def best(read: Callable[[], object]) -> float:
+        read()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            read()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return min(sums(buffer), key=best)
+
+
 def read_bandwidth(device: str = "cpu", nbytes: int = 512 << 20, repeats: int = 7) -> float:
     """Best GB/s of a sum over a buffer larger than the last-level cache, in bf16 and in
-    fp32, and on CPU in normal and in huge pages: the weights sit in huge pages
-    (runtime/huge_pages.py), which read up to ~35% faster here, so a ceiling measured in
-    normal pages only is not one (NOTES section 28). The best, not the median: a ceiling
-    is what the memory delivered at its fastest; on a shared machine take the largest of
-    several calls spread over the run."""
+    fp32, and on CPU in normal and in huge pages, by torch and by a native loop with and
+    without prefetching (`sums`): the weights sit in huge pages (runtime/huge_pages.py),
+    which read up to ~35% faster here, so a ceiling measured in normal pages only is not
+    one (NOTES section 28). The best, not the median: a ceiling is what the memory
+    delivered at its fastest; on a shared machine take the largest of several calls
+    spread over the run."""
     best = 0.0
     pages = (False, True) if device == "cpu" else (False,)
     for dtype, huge in itertools.product((torch.bfloat16, torch.float32), pages):
         x = _sum_buffer(nbytes, dtype, device, huge)
-        x.sum()
-        for _ in range(repeats):
-            if device != "cpu":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            x.sum()
-            if device != "cpu":
-                torch.cuda.synchronize()
-            best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
+        for read in sums(x):
+            read()
+            for _ in range(repeats):
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                read()
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
         del x
     return best
 
@@ -96,18 +142,18 @@ class PairedBandwidth:
     swings by up to 2x within a minute (NOTES section 35), so a run's GB/s over the best
     sum of the whole run says more about the minute it ran in than about the engine; here
     each run is compared with sums over a written huge-page buffer taken just before and
-    just after it."""
+    just after it (the fastest of `sums`)."""
 
     def __init__(self, nbytes: int = 512 << 20) -> None:
         self.nbytes = nbytes
         self.buffer = _sum_buffer(nbytes, torch.float32, "cpu", True)
-        self.buffer.sum()
+        self.read = fastest_sum(self.buffer)
 
     def measure(self, seconds: float = 0.1) -> float:
         """Mean GB/s of sums over the buffer for at least `seconds` (at least three)."""
         start, count = time.perf_counter(), 0
         while count < 3 or time.perf_counter() - start < seconds:
-            self.buffer.sum()
+            self.read()
             count += 1
         return count * self.nbytes / (time.perf_counter() - start) / 1e9
 
@@ -122,22 +168,23 @@ class PairedBandwidth:
 
 
 class WeightsRead:
-    """The memory's own batch-1 decode: one sum over a written huge-page buffer of the
-    weights' size per token, timed like a decode. What an engine that did nothing but
-    stream its weights once a token would reach in the same minutes: the best-of-run
-    ceiling is a 10 ms burst and a run's GB/s moves with the minute it caught (NOTES
-    section 35), so this row says what share of that ceiling a run of the same length
-    can reach (NOTES section 39)."""
+    """The memory's own batch-1 decode: one sum (the fastest of `sums`) over a written
+    huge-page buffer of the weights' size per token, timed like a decode. What an engine
+    that did nothing but stream its weights once a token would reach in the same minutes:
+    the best-of-run ceiling is a 10 ms burst and a run's GB/s moves with the minute it
+    caught (NOTES section 35), so this row says what share of that ceiling a run of the
+    same length can reach (NOTES section 39)."""
 
     def __init__(self, nbytes: int) -> None:
         self.buffer = _sum_buffer(max(nbytes, 1 << 12), torch.float32, "cpu", True)
+        self.read = fastest_sum(self.buffer)
 
     def decode(self, tokens: int) -> float:
         """Reads/s between the first and the last of `tokens` reads, (N - 1) / (t_N - t_1)."""
-        self.buffer.sum()
+        self.read()
         start = time.perf_counter()
         for _ in range(max(tokens, 2) - 1):
-            self.buffer.sum()
+            self.read()
         return (max(tokens, 2) - 1) / (time.perf_counter() - start)
 
 

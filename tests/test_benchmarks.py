@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).parent.parent / "benchmarks"
@@ -83,6 +84,23 @@ def test_paired_bandwidth_compares_a_run_with_sums_just_around_it():
     shares = []
     assert scripted.around(lambda: 2.5, bytes_per_unit=4e9, shares=shares) == 2.5
     assert shares == [0.5]  # 10 GB/s of 20
+
+
+def test_every_read_of_the_ceiling_sums_the_whole_buffer():
+    """The ceiling takes the fastest of torch's sum and a native loop without and with a
+    software prefetch (`common.sums`): each must read every byte (a read that skipped
+    some would be a false ceiling), up to its last float past the last 64."""
+    common = _load("common")
+    x = common._sum_buffer((8 << 20) + 4 * 37, torch.float32, "cpu", True)
+    x[::997] = 3.0
+    x[-1] = 5.0
+    want = float(x.double().sum())
+    reads = common.sums(x)
+    assert len(reads) == (3 if common._memory_read() is not None else 1)
+    for read in reads:
+        assert float(read()) == pytest.approx(want, rel=1e-5)
+    assert float(common.fastest_sum(x)()) == pytest.approx(want, rel=1e-5)
+    assert common.read_bandwidth(nbytes=4 << 20, repeats=1) > 0
 
 
 def test_throughput_smoke_through_the_cli(tiny_llama, tmp_path):

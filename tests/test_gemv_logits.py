@@ -193,3 +193,29 @@ def test_screen_bytes_are_the_int8_copy_and_its_row_data():
     assert gemv.screen_bytes(w) == 300 * 128 + 300 * 4 * 4
     gemv.invalidate_screens()
     assert gemv.screen_bytes(w) is None
+
+
+@pytest.mark.parametrize("screened", [False, True])
+def test_prefetching_builds_compute_the_same_bits(monkeypatch, screened):
+    """The weight prefetch (`native.weight_prefetch_bytes`: 4 KB on Intel CPUs, none
+    elsewhere) moves no arithmetic: builds with and without it give the same logits, on
+    a head long enough that each thread prefetches ahead of most rows (576-wide, unrolled),
+    whole and screened. Both builds are made on any CPU, so each path is tested here."""
+    if screened and not gemv._kernel().gemv_screen_available():
+        pytest.skip("no AVX512-VNNI here")
+    gen = torch.Generator().manual_seed(2)
+    w = (torch.randn(700, 576, generator=gen) * 0.05).bfloat16()
+    x = (torch.randn(1, 576, generator=gen) * 2).bfloat16()
+    logits = []
+    try:
+        for ahead in (0, 4096):
+            monkeypatch.setattr(native, "weight_prefetch_bytes", lambda ahead=ahead: ahead)
+            gemv._kernel.cache_clear()
+            gemv.invalidate_screens()
+            logits.append(_screened(x, w) if screened else torch.ops.compilecore.gemv_logits(x, w))
+    finally:
+        monkeypatch.undo()
+        gemv._kernel.cache_clear()
+        gemv.invalidate_screens()
+    assert torch.equal(logits[0], logits[1])
+    assert int(logits[1].argmax()) == int(_exact(x, w).argmax())

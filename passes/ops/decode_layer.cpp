@@ -95,18 +95,31 @@ inline float dot_loop(const float* x, const bf16* w, int64_t K) {
   return sum;
 }
 
+// How far ahead of its loads a product asks for weights (bytes), or 0; set by the build
+// (passes/native.py: 4 KB on Intel CPUs). On the AMX Xeon the unrolled rows below read at
+// ~0.8x a plain sum over the same bytes without it and at the sum's speed with it (the
+// L2's own prefetcher falls behind a loop that does work per line); on the EPYC the same
+// prefetch read slower (benchmarks/NOTES.md, sections 32 and 42).
+#ifndef CC_PREFETCH
+#define CC_PREFETCH 0
+#endif
+
 // The same row with K known when compiling: fully unrolled over four accumulators. A loop
 // that exits after every row (~1 KB) streamed ~10% slower in minutes when memory is fast,
 // and one accumulator's chain of adds caps a core near the rate such a minute delivers
-// (benchmarks/NOTES.md, section 33).
-template <int64_t K>
+// (benchmarks/NOTES.md, section 33). PF: prefetch CC_PREFETCH bytes ahead, one line at a
+// time (into L2: a prefetch into L1 as well read slower).
+template <int64_t K, bool PF>
 inline float dot_fixed(const float* x, const bf16* w) {
 #if defined(__AVX512F__)
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
 #pragma GCC unroll 256
-  for (int64_t k = 0; k < K / 16 * 16; k += 16)
+  for (int64_t k = 0; k < K / 16 * 16; k += 16) {
+    if (PF && k % 32 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(w + k) + CC_PREFETCH, _MM_HINT_T2);
     acc[k / 16 % 4] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), acc[k / 16 % 4]);
+  }
   float sum = _mm512_reduce_add_ps(
       _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
   for (int64_t k = K / 16 * 16; k < K; ++k) sum += x[k] * to_f32(w[k]);
@@ -118,12 +131,24 @@ inline float dot_fixed(const float* x, const bf16* w) {
 
 // decode_layer.py builds this file per model with the row lengths of its products
 // (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576) CC_DOT(1536)"`); other lengths loop.
+template <bool PF>
 inline float dot(const float* x, const bf16* w, int64_t K) {
 #define CC_DOT(n) \
-  if (K == (n)) return dot_fixed<(n)>(x, w);
+  if (K == (n)) return dot_fixed<(n), PF && CC_PREFETCH != 0>(x, w);
   CC_DOT_SIZES
 #undef CC_DOT
   return dot_loop(x, w, K);
+}
+
+// out[r - r0] = bf16(x . w[r]) for rows r0 <= r < r1 of w [*, K]. `stop`: the end of
+// what this thread reads of w, so that its prefetches stay inside its own rows.
+inline void product_rows(const float* x, const bf16* w, int64_t K, int64_t r0, int64_t r1,
+                         const bf16* stop, float* out) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const bf16* row = w + r * K;
+    const bool ahead = row + K + CC_PREFETCH / 2 <= stop;
+    out[r - r0] = round_bf16(ahead ? dot<true>(x, row, K) : dot<false>(x, row, K));
+  }
 }
 
 // out = bf16(rms_norm(s) * weight) as fp32, s already bf16-rounded.
@@ -206,15 +231,19 @@ void run_in_team(const Piece& p) {
   float* x = s + H;                  // its normalized input to the next product
   float* a = x + H;                  // attention output (fp32), then a head's rows
   for (int64_t i = 0; i < p.q_size; ++i) a[i] = to_f32(p.attn[i]);
-  for (int64_t r = H * t / T; r < H * (t + 1) / T; ++r)
-    shared_h[r] = round_bf16(dot(a, p.w_o + r * p.q_size, p.q_size));
+  {
+    const int64_t r0 = H * t / T, r1 = H * (t + 1) / T;
+    product_rows(a, p.w_o, p.q_size, r0, r1, p.w_o + r1 * p.q_size, shared_h + r0);
+  }
 #pragma omp barrier
   add_round(shared_h, p.residual, s, H);
   rms_norm(s, p.w_post, p.eps, H, x);
   // gate_up split by rows like any product (one sequential run per thread: reading
   // gate and up rows in turn split each thread's stream and read slower), then SiLU.
-  for (int64_t r = 2 * I * t / T; r < 2 * I * (t + 1) / T; ++r)
-    shared_gu[r] = round_bf16(dot(x, p.w_gate_up + r * H, H));
+  {
+    const int64_t r0 = 2 * I * t / T, r1 = 2 * I * (t + 1) / T;
+    product_rows(x, p.w_gate_up, H, r0, r1, p.w_gate_up + r1 * H, shared_gu + r0);
+  }
 #pragma omp barrier
   {
     int64_t j = I * t / T;
@@ -225,8 +254,10 @@ void run_in_team(const Piece& p) {
     for (; j < j1; ++j) shared_m[j] = round_bf16(round_bf16(silu(shared_gu[j])) * shared_gu[I + j]);
   }
 #pragma omp barrier
-  for (int64_t r = H * t / T; r < H * (t + 1) / T; ++r)
-    shared_h[r] = round_bf16(dot(shared_m, p.w_down + r * I, I));
+  {
+    const int64_t r0 = H * t / T, r1 = H * (t + 1) / T;
+    product_rows(shared_m, p.w_down, I, r0, r1, p.w_down + r1 * I, shared_h + r0);
+  }
 #pragma omp barrier
   add_round(shared_h, s, s, H);
   if (t == 0)
@@ -236,8 +267,9 @@ void run_in_team(const Piece& p) {
   const int64_t q_heads = p.q_size / D, kv_heads = p.kv_size / D;
   const int64_t heads = q_heads + 2 * kv_heads;
   const float* cos_sin = p.cos_sin + p.position[0] * p.rotary_dim;
-  for (int64_t hd = heads * t / T; hd < heads * (t + 1) / T; ++hd) {
-    for (int64_t i = 0; i < D; ++i) a[i] = round_bf16(dot(x, p.w_qkv + (hd * D + i) * H, H));
+  const int64_t h1 = heads * (t + 1) / T;
+  for (int64_t hd = heads * t / T; hd < h1; ++hd) {
+    product_rows(x, p.w_qkv, H, hd * D, (hd + 1) * D, p.w_qkv + h1 * D * H, a);
     bf16* out = hd < q_heads ? p.q + hd * D
                 : hd < q_heads + kv_heads ? p.k + (hd - q_heads) * D
                                           : p.v + (hd - q_heads - kv_heads) * D;

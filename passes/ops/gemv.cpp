@@ -45,17 +45,30 @@ inline float dot_loop(const bf16* x, const bf16* w, int64_t K) {
       _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
+// How far ahead of its loads a row's product asks for weights (bytes), or 0: the same
+// software prefetch as decode_layer.cpp's, set by the build (passes/native.py).
+#ifndef CC_PREFETCH
+#define CC_PREFETCH 0
+#endif
+
+inline void prefetch_line(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + CC_PREFETCH, _MM_HINT_T2);
+}
+
 // The same row with K known when compiling, fully unrolled: a loop whose exit
 // mispredicts once a row (~1 KB) streamed slower in minutes when memory is fast (NOTES
 // section 33). gemv.py builds this file per model with the head's row length
-// (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576)"`); other lengths loop.
-template <int64_t K>
+// (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576)"`); other lengths loop. PF: prefetch
+// CC_PREFETCH bytes ahead, a line at a time.
+template <int64_t K, bool PF>
 inline float dot_fixed(const bf16* x, const bf16* w) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
 #pragma GCC unroll 256
-  for (int64_t k = 0; k < K / 32 * 32; k += 32)
+  for (int64_t k = 0; k < K / 32 * 32; k += 32) {
+    if (PF) prefetch_line(w + k);
     acc[k / 32 % 4] = _mm512_dpbf16_ps(acc[k / 32 % 4], load(w + k, ~0u), load(x + k, ~0u));
+  }
   if constexpr (K % 32 != 0) {
     const __mmask32 mask = (1u << (K % 32)) - 1;
     acc[0] = _mm512_dpbf16_ps(acc[0], load(w + K / 32 * 32, mask), load(x + K / 32 * 32, mask));
@@ -64,9 +77,10 @@ inline float dot_fixed(const bf16* x, const bf16* w) {
       _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
+template <bool PF>
 inline float dot(const bf16* x, const bf16* w, int64_t K) {
 #define CC_DOT(n) \
-  if (K == (n)) return dot_fixed<(n)>(x, w);
+  if (K == (n)) return dot_fixed<(n), PF && CC_PREFETCH != 0>(x, w);
   CC_DOT_SIZES
 #undef CC_DOT
   return dot_loop(x, w, K);
@@ -109,10 +123,13 @@ inline bool make_limbs(const bf16* x, int64_t K, int64_t Kp, Limbs* out) {
   return true;
 }
 
-// sum_k (hi_k + 128) * q_k and the same for lo, over Kp (a multiple of 64) int8 weights.
-inline void dot_limbs(const Limbs& x, const int8_t* q, int64_t Kp, int32_t* hi, int32_t* lo) {
+// sum_k (hi_k + 128) * q_k and the same for lo, over Kp (a multiple of 64) int8 weights;
+// `ahead`: prefetch as dot_fixed does.
+inline void dot_limbs(const Limbs& x, const int8_t* q, int64_t Kp, bool ahead, int32_t* hi,
+                      int32_t* lo) {
   __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
   for (int64_t k = 0; k < Kp; k += 64) {
+    if (CC_PREFETCH != 0 && ahead) prefetch_line(q + k);
     const __m512i w = _mm512_loadu_si512(q + k);
     h = _mm512_dpbusd_epi32(h, _mm512_load_si512(x.hi + k), w);
     l = _mm512_dpbusd_epi32(l, _mm512_load_si512(x.lo + k), w);
@@ -166,7 +183,7 @@ void gemv_head_bf16(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, floa
       float best = -INFINITY;
       for (int64_t n = n0; n < n1; ++n) {
         int32_t hi, lo;
-        dot_limbs(limbs, q + n * Kp, Kp, &hi, &lo);
+        dot_limbs(limbs, q + n * Kp, Kp, (n + 1) * Kp + CC_PREFETCH <= n1 * Kp, &hi, &lo);
         const float* m = meta + 4 * n;
         const float off = 128.f * m[3];
         const float approx = limbs.sx * m[0] * ((float(hi) - off) + (float(lo) - off) / 256.f);
@@ -179,7 +196,7 @@ void gemv_head_bf16(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, floa
       float floor_ = -INFINITY;
       for (int64_t i = 0; i < nt; ++i) floor_ = lower[i] > floor_ ? lower[i] : floor_;
       for (int64_t n = n0; n < n1; ++n)
-        y[n] = y[n] + slack >= floor_ ? dot(x, w + n * ldw, K) : -INFINITY;
+        y[n] = y[n] + slack >= floor_ ? dot<false>(x, w + n * ldw, K) : -INFINITY;
     }
     return;
   }
@@ -208,9 +225,17 @@ int64_t gemv_available() {
 void gemv_bf16_f32(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, float* y,
                    int64_t M, int64_t N, int64_t K, int64_t threads) {
 #if defined(__AVX512BF16__)
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(x + m * ldx, w + n * ldw, K);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+    for (int64_t n = n0; n < n1; ++n) {
+      const bf16* row = w + n * ldw;
+      const bool ahead = row + K + CC_PREFETCH / 2 <= w + (n1 - 1) * ldw + K;
+      for (int64_t m = 0; m < M; ++m)
+        y[m * N + n] = ahead ? dot<true>(x + m * ldx, row, K) : dot<false>(x + m * ldx, row, K);
+    }
+  }
 #endif
 }
 
