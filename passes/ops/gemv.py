@@ -50,7 +50,8 @@ def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
 # through its address, so a replay follows the current step.
 _ARGMAX_ONLY = torch.zeros(1, dtype=torch.int64)
 _ARGMAX_ONLY_VIEW = _ARGMAX_ONLY.numpy()
-# (address, shape) -> (q, meta, Kp, slack bits, sampled rows of w when it was made)
+# (address, shape) -> (q, meta, Kp, slack bits, indices of sampled rows, those rows of w
+# when it was made)
 _SCREENS: dict[tuple[int, tuple[int, ...]], tuple] = {}
 _SAMPLED_ROWS = 8
 
@@ -82,13 +83,13 @@ def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     pages, per row (scale, |w - q scale|, |q scale|, sum of q) as fp32, Kp, and the slack
     per unit of |x| that covers fp32 rounding in both products (a float's bits)."""
     key = (w.data_ptr(), tuple(w.shape))
-    (n, k), kp = w.shape, -(-w.shape[1] // 64) * 64
-    rows = torch.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).long()
     entry = _SCREENS.get(key)
     # A freed head's address can come back as another model's head of the same shape
     # (LLMs made one after another in a process): a few of its rows tell them apart.
-    if entry is not None and torch.equal(entry[4], w[rows]):
+    if entry is not None and torch.equal(entry[5], w[entry[4]]):
         return entry[:4]
+    (n, k), kp = w.shape, -(-w.shape[1] // 64) * 64
+    rows = torch.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).long()
     q, _ = native.huge_page_buffer(n * kp)
     q = q.view(torch.int8).view(n, kp)
     meta = torch.empty(n, 4)
@@ -108,7 +109,7 @@ def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         # loops err, so twice that, and twice again for margin.
         slack = 4 * k * 2**-24 * float(w.float().norm(dim=1).max())
     slack_bits = int(torch.tensor(slack, dtype=torch.float32).view(torch.int32))
-    entry = (q, meta, kp, slack_bits & 0xFFFFFFFF, w[rows].clone())
+    entry = (q, meta, kp, slack_bits & 0xFFFFFFFF, rows, w[rows].clone())
     _SCREENS[key] = entry
     return entry[:4]
 
