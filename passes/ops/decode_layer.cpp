@@ -110,14 +110,13 @@ inline float dot_loop(const float* x, const bf16* w, int64_t K) {
 // (benchmarks/NOTES.md, section 33). PF: prefetch CC_PREFETCH bytes ahead, one line at a
 // time (into L2: a prefetch into L1 as well read slower).
 template <int64_t K, bool PF>
-inline float dot_fixed(const float* x, const bf16* w) {
+inline float dot_fixed(const float* x, const bf16* w, const char* pf) {
 #if defined(__AVX512F__)
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
 #pragma GCC unroll 256
   for (int64_t k = 0; k < K / 16 * 16; k += 16) {
-    if (PF && k % 32 == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(w + k) + CC_PREFETCH, _MM_HINT_T2);
+    if (PF && k % 32 == 0) _mm_prefetch(pf + 2 * k, _MM_HINT_T2);
     acc[k / 16 % 4] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), acc[k / 16 % 4]);
   }
   float sum = _mm512_reduce_add_ps(
@@ -132,22 +131,26 @@ inline float dot_fixed(const float* x, const bf16* w) {
 // decode_layer.py builds this file per model with the row lengths of its products
 // (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576) CC_DOT(1536)"`); other lengths loop.
 template <bool PF>
-inline float dot(const float* x, const bf16* w, int64_t K) {
+inline float dot(const float* x, const bf16* w, int64_t K, const char* pf = nullptr) {
 #define CC_DOT(n) \
-  if (K == (n)) return dot_fixed<(n), PF && CC_PREFETCH != 0>(x, w);
+  if (K == (n)) return dot_fixed<(n), PF && CC_PREFETCH != 0>(x, w, pf);
   CC_DOT_SIZES
 #undef CC_DOT
   return dot_loop(x, w, K);
 }
 
 // out[r - r0] = bf16(x . w[r]) for rows r0 <= r < r1 of w [*, K]. `stop`: the end of
-// what this thread reads of w, so that its prefetches stay inside its own rows.
+// what this thread reads of w; past it the prefetches run on into `next`, where this
+// thread's rows of the next product start (or stop there, with none).
 inline void product_rows(const float* x, const bf16* w, int64_t K, int64_t r0, int64_t r1,
-                         const bf16* stop, float* out) {
+                         const bf16* stop, float* out, const bf16* next = nullptr) {
   for (int64_t r = r0; r < r1; ++r) {
     const bf16* row = w + r * K;
-    const bool ahead = row + K + CC_PREFETCH / 2 <= stop;
-    out[r - r0] = round_bf16(ahead ? dot<true>(x, row, K) : dot<false>(x, row, K));
+    const char* pf = reinterpret_cast<const char*>(row) + CC_PREFETCH;
+    const char* end = reinterpret_cast<const char*>(stop);
+    if (pf + 2 * K > end)
+      pf = next ? reinterpret_cast<const char*>(next) + (pf > end ? pf - end : 0) : nullptr;
+    out[r - r0] = round_bf16(pf ? dot<true>(x, row, K, pf) : dot<false>(x, row, K));
   }
 }
 
@@ -231,9 +234,16 @@ void run_in_team(const Piece& p) {
   float* x = s + H;                  // its normalized input to the next product
   float* a = x + H;                  // attention output (fp32), then a head's rows
   for (int64_t i = 0; i < p.q_size; ++i) a[i] = to_f32(p.attn[i]);
+  // Where this thread's rows of each product start: the product before runs its
+  // prefetches on into them, so the stream does not restart cold after each barrier.
+  const int64_t q_heads = p.q_size / D, kv_heads = p.kv_size / D;
+  const int64_t heads = q_heads + 2 * kv_heads;
+  const bf16* my_gate_up = p.w_gate_up + 2 * I * t / T * H;
+  const bf16* my_down = p.w_down + H * t / T * I;
+  const bf16* my_qkv = p.w_qkv + heads * t / T * D * H;
   {
     const int64_t r0 = H * t / T, r1 = H * (t + 1) / T;
-    product_rows(a, p.w_o, p.q_size, r0, r1, p.w_o + r1 * p.q_size, shared_h + r0);
+    product_rows(a, p.w_o, p.q_size, r0, r1, p.w_o + r1 * p.q_size, shared_h + r0, my_gate_up);
   }
 #pragma omp barrier
   add_round(shared_h, p.residual, s, H);
@@ -242,7 +252,7 @@ void run_in_team(const Piece& p) {
   // gate and up rows in turn split each thread's stream and read slower), then SiLU.
   {
     const int64_t r0 = 2 * I * t / T, r1 = 2 * I * (t + 1) / T;
-    product_rows(x, p.w_gate_up, H, r0, r1, p.w_gate_up + r1 * H, shared_gu + r0);
+    product_rows(x, p.w_gate_up, H, r0, r1, p.w_gate_up + r1 * H, shared_gu + r0, my_down);
   }
 #pragma omp barrier
   {
@@ -256,7 +266,7 @@ void run_in_team(const Piece& p) {
 #pragma omp barrier
   {
     const int64_t r0 = H * t / T, r1 = H * (t + 1) / T;
-    product_rows(shared_m, p.w_down, I, r0, r1, p.w_down + r1 * I, shared_h + r0);
+    product_rows(shared_m, p.w_down, I, r0, r1, p.w_down + r1 * I, shared_h + r0, my_qkv);
   }
 #pragma omp barrier
   add_round(shared_h, s, s, H);
@@ -264,8 +274,6 @@ void run_in_team(const Piece& p) {
     for (int64_t i = 0; i < H; ++i) p.residual_out[i] = to_bf16(s[i]);
   rms_norm(s, p.w_in, p.eps, H, x);
   // Whole heads per thread: q heads, then k heads, then v heads.
-  const int64_t q_heads = p.q_size / D, kv_heads = p.kv_size / D;
-  const int64_t heads = q_heads + 2 * kv_heads;
   const float* cos_sin = p.cos_sin + p.position[0] * p.rotary_dim;
   const int64_t h1 = heads * (t + 1) / T;
   for (int64_t hd = heads * t / T; hd < h1; ++hd) {
