@@ -282,6 +282,8 @@ def machine() -> dict:
         "processor": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
         "amx": bool(amx()) if amx is not None else None,
+        # Our batch-1 loops prefetch their weights on Intel only (NOTES section 42).
+        "weight_prefetch_bytes": native.weight_prefetch_bytes(),
         "cpus": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

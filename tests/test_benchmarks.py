@@ -27,6 +27,7 @@ def _load(name: str):
 def _check(path: Path, engines: int) -> dict:
     data = json.loads(path.read_text())
     assert data["title"] and data["machine"]["torch"]
+    assert data["machine"]["weight_prefetch_bytes"] in (0, 4096)
     assert len(data["rows"]) == engines
     assert path.with_suffix(".md").read_text().startswith("### ")
     return data
