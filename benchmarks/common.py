@@ -92,7 +92,8 @@ def sums(buffer: torch.Tensor) -> list[Callable[[], object]]:
     lib = _memory_read() if buffer.device.type == "cpu" else None
     if lib is not None and buffer.dtype == torch.float32 and buffer.is_contiguous():
         args = (buffer.data_ptr(), buffer.numel(), torch.get_num_threads())
-        reads += [functools.partial(lib.memory_read_sum, *args, ahead) for ahead in (0, 4096)]
+        ahead = (0, native.WEIGHT_PREFETCH)
+        reads += [functools.partial(lib.memory_read_sum, *args, a) for a in ahead]
     return reads
 
 

@@ -18,22 +18,15 @@ extern "C" float memory_read_sum(const float* p, int64_t n, int64_t threads, int
     const int64_t i0 = n * t / nt / 64 * 64, i1 = t + 1 == nt ? n : n * (t + 1) / nt / 64 * 64;
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int64_t i = i0;
-    if (prefetch > 0) {
-      for (; i + 64 <= i1; i += 64) {
+    for (; i + 64 <= i1; i += 64) {
+      if (prefetch > 0) {  // the same every iteration: predicted, no cost without it
         const char* ahead = reinterpret_cast<const char*>(p + i) + prefetch;
         for (int line = 0; line < 4; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T2);
-        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(p + i));
-        s1 = _mm512_add_ps(s1, _mm512_loadu_ps(p + i + 16));
-        s2 = _mm512_add_ps(s2, _mm512_loadu_ps(p + i + 32));
-        s3 = _mm512_add_ps(s3, _mm512_loadu_ps(p + i + 48));
       }
-    } else {
-      for (; i + 64 <= i1; i += 64) {
-        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(p + i));
-        s1 = _mm512_add_ps(s1, _mm512_loadu_ps(p + i + 16));
-        s2 = _mm512_add_ps(s2, _mm512_loadu_ps(p + i + 32));
-        s3 = _mm512_add_ps(s3, _mm512_loadu_ps(p + i + 48));
-      }
+      s0 = _mm512_add_ps(s0, _mm512_loadu_ps(p + i));
+      s1 = _mm512_add_ps(s1, _mm512_loadu_ps(p + i + 16));
+      s2 = _mm512_add_ps(s2, _mm512_loadu_ps(p + i + 32));
+      s3 = _mm512_add_ps(s3, _mm512_loadu_ps(p + i + 48));
     }
     float rest = 0.f;
     for (; i < i1; ++i) rest += p[i];
