@@ -22,6 +22,9 @@ constexpr int kLevels = 9;
 constexpr float kThresholds[kLevels] = {1e-1f, 1e-2f, 1e-3f, 1e-4f, 1e-6f,
                                         1e-9f, 1e-14f, 1e-20f, 1e-30f};
 constexpr int64_t kBlock = 1024;  // the draw: block sums first, then one block's scan
+// What a row with no distribution to draw from gives: a nan logit, or every logit -inf
+// (the request's own filters masked every token). runtime/sampler.py's NO_TOKEN.
+constexpr int64_t kNoToken = -1;
 
 // exp(x) for x <= 0 (a weight relative to the top token's): range reduction by ln 2 and a
 // degree-6 polynomial, plain code that the compiler vectorizes (libm's expf does not).
@@ -198,11 +201,12 @@ int64_t sample_row(const Row& row, std::vector<float>& weights, std::vector<doub
   const int64_t nblocks = (V + kBlock - 1) / kBlock;
   blocks.resize(nblocks);
   const double total = weigh(row, top, w, blocks.data(), nblocks);
-  if (std::isnan(total)) {  // a nan or +inf logit: no distribution, so numpy's argmax
-    bool nan = false;
-    for (int64_t i = 0; i < V; ++i) nan |= std::isnan(x[i]);
+  if (std::isnan(total)) {  // a nan, a +inf or every logit -inf: no distribution
     for (int64_t i = 0; i < V; ++i)
-      if (nan ? std::isnan(x[i]) : x[i] == INFINITY) return i;
+      if (std::isnan(x[i])) return kNoToken;
+    for (int64_t i = 0; i < V; ++i)
+      if (x[i] == INFINITY) return i;
+    return kNoToken;  // every token masked
   }
   if (row.top_k <= 0 && row.top_p >= 1.0) {  // the whole row: the block, then the token
     double target = row.u * total;
@@ -221,7 +225,7 @@ int64_t sample_row(const Row& row, std::vector<float>& weights, std::vector<doub
     run += c.first;
     if (run > target) return c.second;
   }
-  return cand.back().second;  // rounding at the very end of the range
+  return cand.empty() ? kNoToken : cand.back().second;  // rounding at the range's end
 }
 
 }  // namespace

@@ -69,6 +69,10 @@ class _Buffers(threading.local):
 
 _buffers = _Buffers()
 
+# The token of a row that has nothing to draw: its request finishes with finish_reason
+# "error" (runtime/engine.py). cpu_sampling.cpp's kNoToken.
+NO_TOKEN = -1
+
 
 def sample_rows(
     logits: np.ndarray,
@@ -107,11 +111,22 @@ def sample_row(
     """One token from a row of fp32 logits: the uniform draw `u` in [0, 1) picks among the
     tokens `kept_weights` keeps by the inverse CDF of their renormalized probabilities."""
     top = logits.max()
-    if not np.isfinite(top):  # +inf or nan logits: no distribution to draw from
-        return int(logits.argmax())
+    if not np.isfinite(top):  # no distribution to draw from
+        return degenerate_row_token(logits)
     ids, weights = kept_weights(logits, params, out)
     token = _draw(weights, u)
     return token if ids is None else int(ids[token])
+
+
+def degenerate_row_token(logits: np.ndarray) -> int:
+    """The token of a row whose largest logit is not finite, as every sampler path
+    gives it: NO_TOKEN for a nan anywhere (the model broke) or every logit -inf (the
+    request's own filters masked every token), else the first +inf (the limit of its
+    distribution)."""
+    if np.isnan(logits).any():
+        return NO_TOKEN
+    top = np.flatnonzero(logits == np.inf)
+    return int(top[0]) if len(top) else NO_TOKEN
 
 
 def kept_weights(

@@ -1,7 +1,9 @@
 """The engine: one step = schedule, run the model, sample, detokenize, check stops.
 
 A step that raises (the model, the sampler, a detokenizer) aborts the requests it
-scheduled, frees their KV blocks and re-raises: the engine keeps serving the others."""
+scheduled, frees their KV blocks and re-raises: the engine keeps serving the others. A row
+the sampler cannot draw from (a nan logit, or the request's own constraints masked every
+token) finishes its request with finish_reason "error", keeping what it generated."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from runtime.executor import LocalExecutor
 from runtime.model_runner import PromptLogprobRows, plan_step
 from runtime.outputs import Logprob
 from runtime.request import Request
-from runtime.sampler import Sampler
+from runtime.sampler import NO_TOKEN, Sampler
 from runtime.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("compilecore")
@@ -126,6 +128,10 @@ class LLMEngine:
         sampled = self.sampler(logits, requests, self.eos_token_ids)
         finished = []
         for req, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
+            if token == NO_TOKEN:  # nothing could be drawn: the request ends here
+                self._finish(req, "error")
+                finished.append(req)
+                continue
             req.append_token(token)
             if logprobs is not None:
                 req.output_logprobs.append(self._logprob_objects(logprobs, req))
@@ -190,9 +196,12 @@ class LLMEngine:
             flushed = detokenizer.flush(check_stop=may_stop)
             if flushed is not None:
                 reason, req.stop_reason = "stop", flushed
+        self._finish(req, reason)
+        return True
+
+    def _finish(self, req: Request, reason: str) -> None:
         req.finished_time = time.perf_counter()
         self.scheduler.finish(req, reason)
-        return True
 
     def output_text(self, request_id: str) -> str:
         return self.detokenizers[request_id].text

@@ -288,6 +288,30 @@ class LLM:
             raise ValueError(
                 f"{where}: stop strings and bad_words need a tokenizer (skip_tokenizer_init)"
             )
+        self._check_some_token_allowed(where, sp)
+
+    def _check_some_token_allowed(self, where: str, sp: SamplingParams) -> None:
+        """Refuses params whose constraints leave no token to generate first, where that
+        is known before the request runs (the sampler would give it nothing to draw)."""
+        if not sp.allowed_token_ids:
+            return
+        allowed = set(sp.allowed_token_ids)
+        banned = {w[0] for w in self._bad_words_token_ids(sp) if len(w) == 1}
+        if not allowed - banned:
+            raise ValueError(
+                f"{where}: bad_words ban every token of allowed_token_ids, so no token can be "
+                "generated: allow more tokens or ban fewer words"
+            )
+        if sp.min_tokens:
+            stops = set(sp.stop_token_ids or ())
+            if not sp.ignore_eos:
+                stops |= self.llm_engine.eos_token_ids
+            if not allowed - banned - stops:
+                raise ValueError(
+                    f"{where}: min_tokens={sp.min_tokens} forbids the stop and EOS tokens "
+                    f"{sorted(stops)}, and allowed_token_ids has no other token: allow more "
+                    "tokens, or set min_tokens=0 (or ignore_eos=True)"
+                )
 
     def _bad_words_token_ids(self, sp: SamplingParams) -> list[list[int]]:
         """Each bad word as tokens, alone and after a space (as vLLM bans them)."""

@@ -26,7 +26,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" (no token left)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:

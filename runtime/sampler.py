@@ -21,6 +21,11 @@ Both equal sampling from p.
 A request with a seed draws its randomness from its own generator, on the logits' device,
 so its tokens do not depend on the rest of the batch.
 
+A row with no distribution to draw from gives the same token on every path
+(`cpu_sampling.degenerate_row_token`): the first +inf logit where there is one, else, for a
+nan logit or every logit -inf (the request's own constraints masked every token),
+`NO_TOKEN`, and the engine finishes that request with finish_reason "error".
+
 Logprobs are those of the raw distribution, before any of the above (vLLM's default
 `logprobs_mode="raw_logprobs"`), with each token's rank in it (1 = most likely).
 """
@@ -33,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runtime.cpu_sampling import row_logprobs, sample_rows
+from runtime.cpu_sampling import NO_TOKEN, row_logprobs, sample_rows
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 
@@ -109,6 +114,26 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
+def argmax_rows(view: np.ndarray) -> list[int]:
+    """Each row's first largest logit, or NO_TOKEN where that is nan or -inf (nothing to
+    choose: `degenerate_row_token`). numpy's argmax takes the first nan, else the first
+    +inf."""
+    tokens = view.argmax(axis=-1).tolist()
+    for i, token in enumerate(tokens):
+        if not view[i, token] > NEG_INF:
+            tokens[i] = NO_TOKEN
+    return tokens
+
+
+def _degenerate_rows(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`tokens` with the rows of `logits` that have no distribution given the tokens
+    `degenerate_row_token` gives them, in torch on the logits' device (no sync)."""
+    posinf = logits == float("inf")
+    tokens = torch.where(posinf.any(dim=-1), posinf.to(torch.uint8).argmax(dim=-1), tokens)
+    none = logits.isnan().any(dim=-1) | ~(logits > NEG_INF).any(dim=-1)
+    return tokens.masked_fill(none, NO_TOKEN)
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -133,12 +158,19 @@ class Sampler:
             # torch call (`logits.dtype` and `.device` took ~40 us cold; NOTES sections 34
             # and 42).
             if all(r.plain_greedy for r in requests):
-                return SamplerOutput(view.argmax(axis=-1).tolist(), [None] * len(requests))
+                return SamplerOutput(argmax_rows(view), [None] * len(requests))
             return self._sample_cpu(view, requests, eos_ids)
         if logits.dtype != torch.float32:
             logits = logits.float()
         if logits.device.type == "cpu":
             return self._sample_cpu(self._numpy(logits), requests, eos_ids)
+        return self._sample_torch(logits, requests, eos_ids)
+
+    def _sample_torch(
+        self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]
+    ) -> SamplerOutput:
+        """Rows of fp32 logits on any device (CUDA's path; the oracle of the CPU one):
+        processed, filtered and drawn by the exponential race in torch."""
         params = [r.sampling_params for r in requests]
         raw = logits
         if any(p.has_logits_processing or p.min_tokens for p in params):
@@ -150,7 +182,7 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             chosen = [requests[i] for i in random_rows]
             tokens[rows] = self._sample(logits[rows], chosen)
-        token_list = tokens.tolist()
+        token_list = _degenerate_rows(logits, tokens).tolist()
         return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
 
     def _sample_cpu(
@@ -168,7 +200,7 @@ class Sampler:
             process_logits(torch.from_numpy(view), requests, eos_ids)
         scratch = self._weights(raw)
         params = [r.sampling_params for r in requests]
-        tokens = view.argmax(axis=-1).tolist() if any(p.greedy for p in params) else []
+        tokens = argmax_rows(view) if any(p.greedy for p in params) else []
         drawn = [
             (i, p, self._uniform(r))
             for i, (r, p) in enumerate(zip(requests, params))
@@ -179,7 +211,9 @@ class Sampler:
             for (i, _, _), token in zip(drawn, sample_rows(view, drawn, scratch)):
                 tokens[i] = token
         logprobs = [
-            None if p.logprobs is None else row_logprobs(raw[i], tokens[i], p.logprobs, scratch)
+            None
+            if p.logprobs is None or tokens[i] == NO_TOKEN
+            else row_logprobs(raw[i], tokens[i], p.logprobs, scratch)
             for i, p in enumerate(params)
         ]
         return SamplerOutput(tokens, logprobs)

@@ -12,7 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
-from runtime.cpu_sampling import _kernel, _search, kept_weights, row_logprobs, sample_rows
+from runtime.cpu_sampling import (
+    NO_TOKEN,
+    _kernel,
+    _search,
+    degenerate_row_token,
+    kept_weights,
+    row_logprobs,
+    sample_rows,
+)
 from runtime.request import Request
 from runtime.sampler import Sampler, filter_logits
 
@@ -164,17 +172,70 @@ def test_draws_follow_filter_logits(kernel, row):
     assert np.all(probs[share > 0] > 0)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_rows_without_a_distribution_take_numpys_argmax(kernel):
-    """A nan or +inf logit leaves nothing to normalize: the row takes numpy's argmax (the
-    first nan, else the first +inf), as greedy rows do; -inf logits are masked tokens."""
+ADVERSARIAL_PARAMS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=3),
+    SamplingParams(temperature=1.0, top_k=5, top_p=0.5, min_p=0.05),
+    SamplingParams(temperature=1.0, min_p=0.3),
+]
+
+
+@st.composite
+def adversarial_rows(draw):
+    """A row of fp32 logits with -inf (masked) tokens, and sometimes every token -inf, a
+    nan or a +inf; the params that sample it and a uniform draw."""
+    inf = np.float32(np.inf)
+    vocab = draw(st.integers(1, 40) | st.integers(1025, 2100))
+    gen = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    row = (gen.normal(size=vocab) * 4).astype(np.float32)
+    row[gen.random(vocab) < draw(st.sampled_from([0.0, 0.5, 0.99]))] = -inf
+    kind = draw(st.sampled_from(["finite", "masked", "nan", "+inf", "+inf and nan"]))
+    if kind == "masked":
+        row[:] = -inf
+    for special, name in ((inf, "+inf"), (np.nan, "nan")):
+        if name in kind:
+            row[gen.integers(vocab, size=draw(st.integers(1, 3)))] = special
+    return row, draw(st.sampled_from(ADVERSARIAL_PARAMS)), draw(st.floats(0.0, 0.999999))
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=adversarial_rows())
+def test_every_sampler_path_gives_a_degenerate_row_the_same_token(case):
+    """C, numpy, the CPU sampler (plain and with logits processing) and the torch path
+    (CUDA's) on the same adversarial row: a row with no distribution gets the one
+    documented token on every path (the first +inf, else NO_TOKEN for a nan or all -inf);
+    a row with one gets, on every path, a token whose logit is finite; greedy rows the
+    same first argmax. Before, C crashed on an all -inf row under top-p or top-k."""
+    row, params, u = case
+    expected = degenerate_row_token(row) if not np.isfinite(row.max()) else None
+    logits = row[None]
+    processed = SamplingParams(**{**_fields(params), "logit_bias": {0: 0.0}})
+    tokens = {} if params.greedy else {  # greedy rows take the argmax, not a draw
+        "c": sample_rows(logits, [(0, params, u)], kernel=True)[0],
+        "numpy": sample_rows(logits, [(0, params, u)], kernel=False)[0],
+    }
+    tokens |= {
+        "cpu plain": Sampler()(torch.from_numpy(row.copy())[None], _rows(params, 1)).token_ids[0],
+        "cpu processed": Sampler()(
+            torch.from_numpy(row.copy())[None], _rows(processed, 1)
+        ).token_ids[0],
+        "torch": Sampler()._sample_torch(torch.from_numpy(row.copy())[None], _rows(params, 1),
+                                         frozenset()).token_ids[0],  # fmt: skip
+    }
+    if expected is not None:
+        assert set(tokens.values()) == {expected}, tokens
+    elif params.greedy:
+        assert set(tokens.values()) == {int(row.argmax())}, tokens
+    else:
+        assert all(t != NO_TOKEN and np.isfinite(row[t]) for t in tokens.values()), tokens
+
+
+def test_degenerate_row_token_is_documented():
     inf, nan = float("inf"), float("nan")
-    rows = np.array([[0, nan, 1, nan], [0, inf, 1, inf], [-inf, 2, -inf, 2]], np.float32)
-    params = SamplingParams(temperature=1.0, top_p=0.9)
-    draws = [
-        sample_rows(rows, [(i, params, u)], kernel=kernel)[0] for i in range(3) for u in (0.1, 0.9)
-    ]
-    assert draws == [1, 1, 1, 1, 1, 3]
+    rows = np.array([[0, nan, 1, inf], [0, inf, 1, inf], [-inf] * 4], np.float32)
+    assert [degenerate_row_token(r) for r in rows] == [NO_TOKEN, 1, NO_TOKEN]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -381,6 +442,57 @@ def test_stop_token_ids_and_min_tokens(llm):
     # vLLM masks stop tokens until min_tokens: never sampled early, then they stop it.
     assert len(out.token_ids) >= first + 2 and stop_id not in out.token_ids[: first + 2]
     assert out.token_ids[-1] == stop_id or len(out.token_ids) == 32
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"allowed_token_ids": [2], "min_tokens": 1}, "min_tokens=1 forbids"),
+        ({"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 2}, "forbids"),
+    ],
+)
+def test_constraints_that_leave_no_first_token_are_refused_before_queueing(llm, kwargs, message):
+    """EOS (id 2 here) is the only allowed token, but min_tokens masks it: nothing could be
+    generated, and the sampler would see a row of -inf. A ValueError (a 400 through the
+    server) names why; the LLM keeps serving."""
+    with pytest.raises(ValueError, match=message):
+        llm.generate(PROMPTS[0], SamplingParams(temperature=0.8, top_p=0.9, **kwargs))
+    assert not llm.llm_engine.has_unfinished_requests()
+    ok = SamplingParams(allowed_token_ids=[2], min_tokens=1, ignore_eos=True, max_tokens=2)
+    assert llm.generate(PROMPTS[0], ok, use_tqdm=False)[0].outputs[0].token_ids == [2, 2]
+
+
+def test_bad_words_banning_every_allowed_token_are_refused(llm):
+    word = "The"
+    ids = llm.tokenizer.encode(word, add_special_tokens=False)
+    assert len(ids) == 1
+    with pytest.raises(ValueError, match="bad_words ban every token"):
+        llm.generate(PROMPTS[0], SamplingParams(allowed_token_ids=ids, bad_words=[word]))
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 1.0), (0.8, 0.9)])
+def test_a_row_masked_mid_request_finishes_it_with_error_and_keeps_its_tokens(
+    llm, temperature, top_p
+):
+    """Only token `a` is allowed, and the two-token bad word [a, a] bans it once the
+    output ends in `a`: the second step has every token -inf, which no check before the
+    request runs can see. The request finishes with finish_reason "error" after its one
+    token (before, the C sampler dereferenced an empty vector under top-p); a request
+    batched with it is untouched."""
+    word = "ZZ"
+    ids = llm.tokenizer.encode(word, add_special_tokens=False)
+    assert len(ids) == 2 and ids[0] == ids[1]
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=1, max_tokens=8,
+                            allowed_token_ids=ids[:1], bad_words=[word])  # fmt: skip
+    other = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], other, use_tqdm=False)[0].outputs[0].token_ids
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [params, other], use_tqdm=False)
+    masked = outs[0].outputs[0]
+    assert masked.token_ids == ids[:1] and masked.finish_reason == "error"
+    assert outs[1].outputs[0].token_ids == alone
+    assert not llm.llm_engine.has_unfinished_requests()
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_logprobs_match_hf_log_softmax(llm, tiny_llama):

@@ -227,6 +227,40 @@ def test_disconnect_mid_stream_frees_the_request(server, prompts):
     _idle(engine)  # the abort freed every block
 
 
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_an_error_mid_stream_ends_with_an_error_event_and_done(server, client, monkeypatch, route):
+    """A step that fails after the stream began (injected: the real executor raises at its
+    third call) ends the stream as vLLM's server does, an error event in OpenAI's error
+    JSON and then `[DONE]`, instead of a dropped connection; the engine serves on."""
+    base, engine = server
+    executor = engine.engine.executor
+    real, calls = executor.execute, []
+
+    def failing_third_step(plan):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return real(plan)
+
+    monkeypatch.setattr(executor, "execute", failing_third_step)
+    body = {"model": MODEL, "max_tokens": 20, "stream": True, "ignore_eos": True}
+    if route == "chat":
+        messages = [{"role": "user", "content": "x"}]
+        path, body = "/v1/chat/completions", {**body, "messages": messages}
+    else:
+        path, body = "/v1/completions", {**body, "prompt": PROMPTS[0]}
+    r = _http("POST", base + path, body, {"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 500 and "injected fault" in error["message"]
+    assert all("choices" in json.loads(e) for e in events[:-2]) and len(events) >= 4
+    monkeypatch.undo()
+    _idle(engine)
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
@@ -245,6 +279,9 @@ def test_disconnect_mid_stream_frees_the_request(server, prompts):
             "truncate_prompt_tokens",
         ),  # fmt: skip
         ({"model": "nope", "prompt": "x"}, 404, "model"),
+        # EOS (id 2) is the only token allowed and min_tokens masks it: nothing to draw
+        ({"model": MODEL, "prompt": "x", "allowed_token_ids": [2], "min_tokens": 1,
+          "top_p": 0.5}, 400, None),  # fmt: skip
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body,

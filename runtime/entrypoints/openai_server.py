@@ -6,7 +6,8 @@ ending in `data: [DONE]`), GET /v1/models, /health, /metrics (Prometheus), POST 
 /detokenize. Errors use OpenAI's error JSON: 400 for a bad field or a prompt longer than
 the context (checked before anything is queued), 401 without the API key when one is set
 (compared in constant time), 404 for another model name, 503 when the waiting queue is
-full. A client that disconnects mid-stream aborts its request.
+full. An error after a stream has begun is an error event, then `data: [DONE]` (vLLM's
+way). A client that disconnects mid-stream aborts its request.
 """
 
 from __future__ import annotations
@@ -48,16 +49,29 @@ _ERROR_TYPES = {
 }
 
 
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error JSON."""
+    kind = _ERROR_TYPES.get(status, "APIError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": _ERROR_TYPES.get(status, "APIError"),
-            "param": param,
-            "code": status,
-        }
-    }
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+async def event_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, and where they fail after the response has begun, vLLM's ending: an
+    error event in OpenAI's error JSON, then `[DONE]` (a dropped connection tells the
+    client nothing)."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        yield _sse(error_body(e.status, e.message, e.param))
+        yield "data: [DONE]\n\n"
+    except Exception as e:  # a bug of ours: still a well-formed end
+        yield _sse(error_body(500, f"{type(e).__name__}: {e}"))
+        yield "data: [DONE]\n\n"
 
 
 def build_app(
@@ -238,7 +252,7 @@ class _Server:
                 for tail in self._stream_end(rid, kind, body, usage):
                     yield tail
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(event_stream(events()), media_type="text/event-stream")
         merged = await self._collect(streams)
         choices, completion_tokens = [], 0
         for (i, k), d in sorted(merged.items()):
@@ -284,7 +298,7 @@ class _Server:
                 for tail in self._stream_end(rid, "chat.completion.chunk", body, usage):
                     yield tail
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(event_stream(events()), media_type="text/event-stream")
         merged = await self._collect(streams)
         choices, completion_tokens = [], 0
         for (_, k), d in sorted(merged.items()):
