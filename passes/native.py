@@ -138,14 +138,42 @@ def cache_root() -> Path:
     return Path(base) / "compilecore"
 
 
-def cpu_identity() -> str:
-    """What `-march=native` depends on: the CPU's model and feature flags."""
+# The /proc/cpuinfo fields that name a CPU and its features: x86's, then Arm's (which has
+# no "model name" or "flags"; there a key of x86's fields alone was the same for every
+# generation, and a cache shared across them could load a build that faults).
+_CPUINFO_KEYS = ("model name", "flags", "CPU implementer", "CPU architecture", "CPU variant",
+                 "CPU part", "CPU revision", "Features", "isa", "uarch")  # fmt: skip
+
+
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """What `-march=native` depends on: the CPU's model and feature fields (the first of
+    each in `cpuinfo`, /proc/cpuinfo's text by default)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor() or platform.machine()
+    found: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key = line.split(":", 1)[0].strip()
+        if key in _CPUINFO_KEYS:
+            found.setdefault(key, line.strip())
+    return "\n".join([platform.machine(), *found.values()])
+
+
+@functools.cache
+def native_target(cxx: str) -> str:
+    """The compiler's own expansion of `-march=native` on this machine (the architecture
+    and each feature it enables): what a build depends on, whatever /proc/cpuinfo says."""
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
-    return platform.machine() + "\n" + "\n".join(wanted)
+        proc = subprocess.run(
+            [cxx, "-march=native", "-E", "-v", "-x", "c++", os.devnull, "-o", os.devnull],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({e})"
+    lines = [ln.strip() for ln in proc.stderr.splitlines() if "cc1" in ln]
+    return "\n".join(lines) or f"unknown (exit {proc.returncode})"
 
 
 def compiler() -> str:
@@ -157,7 +185,9 @@ def compiler() -> str:
 
 def library_path(cxx: str, source: str, name: str, root: Path, flags: list[str]) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = "\n".join([source, " ".join(flags), version, cpu_identity(), "link apart"])
+    key = "\n".join(
+        [source, " ".join(flags), version, cpu_identity(), native_target(cxx), "link apart"]
+    )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return root / "kernels" / f"{name}_{digest}.so"
 

@@ -58,3 +58,40 @@ class NoPPForCausalLM(torch.nn.Module):
 
     def __init__(self, *, engine_config, prefix: str = ""):
         super().__init__()
+
+
+def screened_head_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    """The batch-1 LM head of a vocabulary that does not divide by the TP size (the last
+    rank holds a padding row), screened for an argmax, on hidden states that make every
+    real logit negative; writes the gathered logits' argmax and the exact one."""
+    import torch.nn.functional as F
+
+    from compilecore.parallel_state import init_model_parallel
+    from models.layers.logits_processor import LogitsProcessor
+    from models.layers.vocab_embedding import ParallelLMHead
+    from passes.ops import gemv
+
+    init_gloo(rank, world_size, port)
+    init_model_parallel(world_size, 1)
+    vocab, hidden = 321, 128
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(hidden, generator=gen)
+    weight = (base + 0.3 * torch.randn(vocab, hidden, generator=gen)).bfloat16()
+    head = ParallelLMHead(vocab, hidden, params_dtype=torch.bfloat16)
+    head.weight_loader(head.weight, weight)
+    processor = LogitsProcessor(vocab, small_batch_gemv=torch.ops.compilecore.gemv_logits)
+    results = []
+    for scale in (0.05, 0.2, 1.0):
+        h = (-scale * base + 0.02 * torch.randn(hidden, generator=gen)).bfloat16()[None]
+        exact = F.linear(h.double(), weight.double())[0]
+        gemv.set_argmax_only(True)
+        try:
+            got = processor(head, h)[0]
+        finally:
+            gemv.set_argmax_only(False)
+        top2 = exact.topk(2).values
+        margin = float(top2[0] - top2[1])
+        results.append({"argmax": int(got.argmax()), "exact": int(exact.argmax()),
+                        "max_exact": float(top2[0]), "margin": margin})  # fmt: skip
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()

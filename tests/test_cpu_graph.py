@@ -66,7 +66,7 @@ def test_latency_benchmark_counts_the_bytes_a_step_reads(compiled):
     assert common.bytes_read_per_token(compiled, {"temperature": 0.8, "top_p": 0.95}) == full
     head = compiled.llm_engine.model.lm_head.weight
     greedy = common.bytes_read_per_token(compiled, None)
-    if gemv._kernel() is not None and gemv._kernel().gemv_screen_available():
+    if gemv.screen_available():
         screen = gemv.screen_bytes(head)
         assert greedy == full - head.numel() * 2 + screen < full
     else:
@@ -108,7 +108,7 @@ def test_plain_greedy_reads_the_screened_head_and_keeps_every_token(compiled):
             runner.cpu_graphs[1] = None
         assert _tokens(compiled) == _tokens(compiled, full)
         runner.cpu_graphs[1] = saved
-    if gemv._kernel().gemv_screen_available():
+    if gemv.screen_available():
         assert (head.data_ptr(), tuple(head.shape)) in gemv._SCREENS
     files = sorted(Path(compiled.engine_config.model_config.model).glob("*.safetensors"))
     try:

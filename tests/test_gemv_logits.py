@@ -101,9 +101,7 @@ def _screened(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         gemv.set_argmax_only(False)
 
 
-needs_screen = pytest.mark.skipif(
-    not gemv._kernel().gemv_screen_available(), reason="no AVX512-VNNI here"
-)
+needs_screen = pytest.mark.skipif(not gemv.screen_available(), reason="no AVX512-VNNI here")
 
 
 @needs_screen
@@ -201,7 +199,7 @@ def test_prefetching_builds_compute_the_same_bits(monkeypatch, screened):
     elsewhere) moves no arithmetic: builds with and without it give the same logits, on
     a head long enough that each thread prefetches ahead of most rows (576-wide, unrolled),
     whole and screened. Both builds are made on any CPU, so each path is tested here."""
-    if screened and not gemv._kernel().gemv_screen_available():
+    if screened and not gemv.screen_available():
         pytest.skip("no AVX512-VNNI here")
     gen = torch.Generator().manual_seed(2)
     w = (torch.randn(700, 576, generator=gen) * 0.05).bfloat16()

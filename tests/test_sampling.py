@@ -212,18 +212,21 @@ def test_every_sampler_path_gives_a_degenerate_row_the_same_token(case):
     expected = degenerate_row_token(row) if not np.isfinite(row.max()) else None
     logits = row[None]
     processed = SamplingParams(**{**_fields(params), "logit_bias": {0: 0.0}})
-    tokens = {} if params.greedy else {  # greedy rows take the argmax, not a draw
-        "c": sample_rows(logits, [(0, params, u)], kernel=True)[0],
-        "numpy": sample_rows(logits, [(0, params, u)], kernel=False)[0],
+
+    def sampler(path: str, p: SamplingParams) -> int:
+        rows = torch.from_numpy(row.copy())[None]
+        if path == "torch":
+            return Sampler()._sample_torch(rows, _rows(p, 1), frozenset()).token_ids[0]
+        return Sampler()(rows, _rows(p, 1)).token_ids[0]
+
+    tokens = {
+        "cpu plain": sampler("cpu", params),
+        "cpu processed": sampler("cpu", processed),
+        "torch": sampler("torch", params),
     }
-    tokens |= {
-        "cpu plain": Sampler()(torch.from_numpy(row.copy())[None], _rows(params, 1)).token_ids[0],
-        "cpu processed": Sampler()(
-            torch.from_numpy(row.copy())[None], _rows(processed, 1)
-        ).token_ids[0],
-        "torch": Sampler()._sample_torch(torch.from_numpy(row.copy())[None], _rows(params, 1),
-                                         frozenset()).token_ids[0],  # fmt: skip
-    }
+    if not params.greedy:  # greedy rows take the argmax, not a draw
+        tokens["c"] = sample_rows(logits, [(0, params, u)], kernel=True)[0]
+        tokens["numpy"] = sample_rows(logits, [(0, params, u)], kernel=False)[0]
     if expected is not None:
         assert set(tokens.values()) == {expected}, tokens
     elif params.greedy:

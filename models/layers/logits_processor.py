@@ -37,10 +37,11 @@ class LogitsProcessor(nn.Module):
         self.linear = linear
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.small_batch_gemv is not None and hidden_states.shape[0] <= self.SMALL_BATCH:
-            logits = self.small_batch_gemv(hidden_states, lm_head.weight)
-            if lm_head.bias is not None:
-                logits = logits + lm_head.bias
+        # Not with a bias: a greedy step's batch-1 head may compute only the rows that can
+        # win before the bias is added (passes/ops/gemv.py), and a bias can make another win.
+        small = hidden_states.shape[0] <= self.SMALL_BATCH and lm_head.bias is None
+        if self.small_batch_gemv is not None and small:
+            logits = self._small_batch(lm_head, hidden_states)
         elif self.linear is not None and lm_head.bias is None:
             logits = self.linear(hidden_states, lm_head.weight)
         else:
@@ -49,3 +50,12 @@ class LogitsProcessor(nn.Module):
         if self.scale != 1.0:
             logits = logits * self.scale
         return logits
+
+    def _small_batch(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The head over the rows this rank really holds, padded to its share after: a
+        padding row's logit (0) would raise a screened head's cut-off above real rows whose
+        logits are all negative."""
+        real = max(0, lm_head.vocab_end - lm_head.vocab_start)
+        logits = self.small_batch_gemv(hidden_states, lm_head.weight[:real])
+        pad = lm_head.num_embeddings_per_partition - real
+        return F.pad(logits, (0, pad), value=float("-inf")) if pad else logits

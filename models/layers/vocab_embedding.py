@@ -44,11 +44,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if loaded.shape != (self.num_embeddings, self.embedding_dim):
-            raise ShapeMismatchError(
-                f"expected shape {(self.num_embeddings, self.embedding_dim)}, "
-                f"got {tuple(loaded.shape)}"
-            )
+        # The weight, or (an LM head's) bias: both split by vocabulary rows.
+        full = (self.num_embeddings, self.embedding_dim)[: param.dim()]
+        if tuple(loaded.shape) != full:
+            raise ShapeMismatchError(f"expected shape {full}, got {tuple(loaded.shape)}")
         rows = self.vocab_end - self.vocab_start
         copy_checked(param.data[:rows], loaded[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()

@@ -114,6 +114,13 @@ def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     return entry[:4]
 
 
+def screen_available() -> bool:
+    """Whether greedy batch-1 steps read the head through its int8 screen here (a C
+    compiler, AVX512-BF16 and AVX512-VNNI)."""
+    lib = _kernel()
+    return lib is not None and bool(lib.gemv_screen_available())
+
+
 def own_kernel_available(dtype: torch.dtype) -> bool:
     """Whether `compilecore.gemv_logits` runs our C loop for weights of this dtype."""
     return dtype == torch.bfloat16 and _kernel() is not None

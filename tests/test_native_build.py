@@ -1,0 +1,44 @@
+"""The native build's cache key: a build made with `-march=native` on one CPU must never
+be loaded on another, on x86 and Arm alike."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from passes import native
+
+GRAVITON2 = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp ssbs
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x3
+CPU part\t: 0xd0c
+CPU revision\t: 1
+"""  # noqa: E501
+# Graviton3: another core (Neoverse V1) with SVE and bf16.
+GRAVITON3 = GRAVITON2.replace("0xd0c", "0xd40").replace("ssbs", "ssbs sve bf16 i8mm")
+
+
+def test_arm_generations_get_different_keys():
+    """Arm's /proc/cpuinfo has no "model name" or "flags": a key made of those alone was
+    the same on every Arm CPU."""
+    a, b = native.cpu_identity(GRAVITON2), native.cpu_identity(GRAVITON3)
+    assert a != b
+    assert "CPU part\t: 0xd0c" in a and "sve" in b
+
+
+def test_x86_key_takes_the_first_cpus_model_and_flags():
+    text = "processor\t: 0\nmodel name\t: X\nflags\t\t: avx2\n\nprocessor\t: 1\nmodel name\t: X\n"
+    assert native.cpu_identity(text).splitlines()[1:] == ["model name\t: X", "flags\t\t: avx2"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ here")
+def test_the_compilers_expansion_of_march_native_is_in_the_key():
+    """The compiler says what -march=native means here (the part of the key that holds
+    whatever /proc/cpuinfo calls its fields)."""
+    target = native.native_target("g++")
+    assert "-march=" in target or "-mcpu=" in target or "target-cpu" in target
+    assert native.native_target("no-such-compiler-here").startswith("unknown")
