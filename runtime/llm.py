@@ -46,6 +46,9 @@ GENERATION_DEFAULTS = {
     "min_p": "min_p",
     "max_new_tokens": "max_tokens",
 }
+# What `apply_chat_template` passes to the tokenizer's itself (render() takes `messages`).
+_CHAT_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_template",
+                       "add_generation_prompt", "continue_final_message"}  # fmt: skip
 
 
 class LLM:
@@ -207,14 +210,26 @@ class LLM:
                 "continue_final_message and add_generation_prompt cannot both be true: the "
                 "first continues the last message, the second starts a new one"
             )
-        text = self.tokenizer.apply_chat_template(
-            conversation,
-            tokenize=False,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}),
-        )
+        kwargs = dict(chat_template_kwargs or {})
+        taken = sorted(set(kwargs) & _CHAT_TEMPLATE_ARGS)
+        if taken:
+            raise ValueError(
+                f"chat_template_kwargs may not set {taken}: they are apply_chat_template's "
+                "own arguments (pass the conversation and flags themselves)"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
+            )
+        except Exception as e:  # the template is the caller's code: it may raise anything
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
+        if not isinstance(text, str):
+            raise ValueError(f"the chat template rendered {type(text).__name__}, not text")
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 

@@ -20,6 +20,7 @@ def _load(name: str):
     sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

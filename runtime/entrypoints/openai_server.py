@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.async_engine import AsyncLLM, QueueFullError, RequestFailedError, StreamDelta
 from runtime.entrypoints.metrics import ServerMetrics
@@ -106,6 +107,18 @@ def build_app(
     async def api_error(request: Request, exc: APIError):
         server.metrics.count(str(exc.status))
         return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI's own refusals (a body that is not JSON, an unknown route) in OpenAI's
+        # error JSON, like ours, instead of {"detail": ...}.
+        server.metrics.count(str(exc.status_code))
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        server.metrics.count("500")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
     @app.get("/health")
     async def health():
