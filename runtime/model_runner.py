@@ -10,6 +10,8 @@ logits only for the rows that sample.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,7 @@ from compilecore.config import EngineConfig
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from compilecore.recipe import weights_version
+from models.layers.logits_processor import LogitsProcessor
 from passes.ops import gemv
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
@@ -188,6 +191,11 @@ class ModelRunner:
             layer.bind(attn_backend)
         # Graphs hold raw weight addresses: a replaced parameter makes them stale.
         self.cpu_graphs_version = weights_version()
+        # The model's own argmax-only flags (the batch-1 LM head may then compute only the
+        # rows that can win): set for each step, cleared after it.
+        self._argmax_setters = [
+            m.set_argmax_only for m in model.modules() if isinstance(m, LogitsProcessor)
+        ]
 
     @property
     def attention_layers(self) -> dict[str, nn.Module]:
@@ -204,7 +212,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attention_layers.values():
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            cache = _zeros_untouched(shape, self.dtype, self.device)
             layer.bind(self.attn_backend, cache)
             self.kv_caches.append(cache)
 
@@ -263,7 +271,7 @@ class ModelRunner:
         size = self._cpu_graph_size(plan)
         graph = self.cpu_graphs.get(size) if size is not None else None
         # Only for this step: whoever computes logits next (a test, a tool) gets them all.
-        gemv.set_argmax_only(plan.argmax_only)
+        self._set_argmax_only(plan.argmax_only)
         try:
             if graph is not None:
                 # A recorded step calls no torch function on the way, not even inference
@@ -274,7 +282,11 @@ class ModelRunner:
                 return logits if size == plan.num_tokens else logits[: plan.num_tokens]
             return self._execute(plan, size)
         finally:
-            gemv.set_argmax_only(False)
+            self._set_argmax_only(False)
+
+    def _set_argmax_only(self, flag: bool) -> None:
+        for set_flag in self._argmax_setters:
+            set_flag(flag)
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan, cpu_graph_size: int | None) -> torch.Tensor | None:
@@ -445,3 +457,15 @@ class ModelRunner:
             query_start_loc_cpu=[0, n],
             seq_lens_cpu=[n],
         )
+
+
+def _zeros_untouched(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+    """Zeros that take memory only where used: on CPU an anonymous mapping, which the
+    kernel backs page by page on first touch. `torch.zeros` writes every page at once, so
+    each CPU engine held its whole KV budget (1 GiB by default) from the start, however few
+    blocks it used (a test process with a dozen engines reached 15 GB)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps it alive
+    return torch.frombuffer(buffer, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)

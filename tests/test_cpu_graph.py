@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -428,3 +429,44 @@ def test_weights_reloaded_in_place_reach_batched_graphs(tiny_llama, tmp_path):
     assert after == tokens(fresh) != before
     runner.cpu_graphs.update(dict.fromkeys(runner.cpu_graphs))  # piece by piece from now
     assert tokens(llm) == after
+
+
+def test_two_engines_stepping_on_two_threads_each_get_their_solo_results(compiled, tmp_path):
+    """A greedy engine (its batch-1 head screened for an argmax) and a sampled one with
+    logprobs and a seed, replaying their CPU graphs on two threads at once, give exactly
+    what each gives alone: the argmax-only flag is each model's own argument to the head,
+    not a process-wide switch (with one, the sampled engine's rows read -inf)."""
+    other = LLM(
+        str(compiled.engine_config.model_config.model),
+        dtype="bfloat16",
+        compilation_config={"cache_dir": str(tmp_path)},
+    )
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=7, logprobs=3, max_tokens=40,
+                             ignore_eos=True)  # fmt: skip
+
+    def run(llm: LLM, params: SamplingParams) -> tuple:
+        out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+        logprobs = [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs or []]
+        return out.token_ids, logprobs
+
+    # Alone first: every graph is recorded before the threads start (the recorder that a
+    # capture installs is still one per process).
+    alone = {"greedy": run(compiled, GREEDY), "sampled": run(other, sampled)}
+    assert compiled.llm_engine.runner.cpu_graphs.get(1) is not None
+    assert other.llm_engine.runner.cpu_graphs.get(1) is not None
+    start, together = threading.Barrier(2), {}
+
+    def loop(name: str, llm: LLM, params: SamplingParams) -> None:
+        start.wait()
+        together[name] = [run(llm, params) for _ in range(4)]
+
+    threads = [
+        threading.Thread(target=loop, args=("greedy", compiled, GREEDY)),
+        threading.Thread(target=loop, args=("sampled", other, sampled)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in alone:
+        assert all(got == alone[name] for got in together[name]), name

@@ -94,11 +94,7 @@ def test_long_rows_get_an_unrolled_build_of_their_own():
 
 
 def _screened(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    gemv.set_argmax_only(True)
-    try:
-        return torch.ops.compilecore.gemv_logits(x, w)
-    finally:
-        gemv.set_argmax_only(False)
+    return torch.ops.compilecore.gemv_logits(x, w, torch.ones(1, dtype=torch.int64))
 
 
 needs_screen = pytest.mark.skipif(not gemv.screen_available(), reason="no AVX512-VNNI here")
@@ -147,23 +143,21 @@ def test_screened_head_follows_the_flag_and_computes_few_rows(tmp_path):
     w = (torch.randn(4096, 576, generator=gen) * 0.05).bfloat16()
     x = (torch.randn(1, 576, generator=gen) * 2).bfloat16()
     full = torch.ops.compilecore.gemv_logits(x, w)
-    assert torch.equal(torch.ops.compilecore.gemv_logits(x, w), full)  # flag off: all rows
+    flag, set_flag = gemv.argmax_only_flag()
+    assert torch.equal(torch.ops.compilecore.gemv_logits(x, w, flag), full)  # off: all rows
     two = torch.cat([x, x])
-    gemv.set_argmax_only(True)
-    try:
-        assert torch.equal(torch.ops.compilecore.gemv_logits(two, w)[0], full[0])
-    finally:
-        gemv.set_argmax_only(False)
-    screened = _screened(x, w)
+    set_flag[0] = 1
+    assert torch.equal(torch.ops.compilecore.gemv_logits(two, w, flag)[0], full[0])
+    screened = torch.ops.compilecore.gemv_logits(x, w, flag)
     assert int(screened.argmax()) == int(full.argmax())
     assert (screened > -torch.inf).sum() < 4096 // 4
+    set_flag[0] = 0
     with torch.inference_mode():
-        _, graph = cpu_graph.capture(lambda: torch.ops.compilecore.gemv_logits(x, w), tmp_path)
-    gemv.set_argmax_only(True)
-    try:
-        assert torch.equal(graph.replay(), screened)
-    finally:
-        gemv.set_argmax_only(False)
+        op = torch.ops.compilecore.gemv_logits
+        _, graph = cpu_graph.capture(lambda: op(x, w, flag), tmp_path)
+    set_flag[0] = 1
+    assert torch.equal(graph.replay(), screened)
+    set_flag[0] = 0
     assert torch.equal(graph.replay(), full)
 
 

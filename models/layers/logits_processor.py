@@ -8,6 +8,7 @@ from torch import nn
 
 from compilecore.parallel_state import tensor_model_parallel_all_gather
 from models.layers.vocab_embedding import ParallelLMHead
+from passes.ops import gemv
 
 
 class LogitsProcessor(nn.Module):
@@ -35,6 +36,13 @@ class LogitsProcessor(nn.Module):
         self.vocab_size, self.scale = vocab_size, scale
         self.small_batch_gemv = small_batch_gemv
         self.linear = linear
+        # Whether this model's next logits serve only an argmax (greedy rows without
+        # logprobs): the model runner sets it per step, and the batch-1 head takes it as an
+        # argument. One per model: two engines stepping at once never share it.
+        self.argmax_only, self._argmax_only_view = gemv.argmax_only_flag()
+
+    def set_argmax_only(self, flag: bool) -> None:
+        self._argmax_only_view[0] = flag
 
     def forward(self, lm_head: ParallelLMHead, hidden_states: torch.Tensor) -> torch.Tensor:
         # Not with a bias: a greedy step's batch-1 head may compute only the rows that can
@@ -56,6 +64,6 @@ class LogitsProcessor(nn.Module):
         padding row's logit (0) would raise a screened head's cut-off above real rows whose
         logits are all negative."""
         real = max(0, lm_head.vocab_end - lm_head.vocab_start)
-        logits = self.small_batch_gemv(hidden_states, lm_head.weight[:real])
+        logits = self.small_batch_gemv(hidden_states, lm_head.weight[:real], self.argmax_only)
         pad = lm_head.num_embeddings_per_partition - real
         return F.pad(logits, (0, pad), value=float("-inf")) if pad else logits

@@ -19,9 +19,12 @@ def gemv_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1).to(x.dtype)
 
 
-def gemv_logits_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv_logits_reduction(
+    x: torch.Tensor, w: torch.Tensor, argmax_only: torch.Tensor | None = None
+) -> torch.Tensor:
     """The LM head's small-batch GEMV, logits kept in fp32: the sampler works in fp32
-    anyway, and rounding to bf16 first only makes near-ties between tokens exact ties."""
+    anyway, and rounding to bf16 first only makes near-ties between tokens exact ties.
+    Every row is computed (`argmax_only` is `gemv_logits`' flag, which allows fewer)."""
     return (x.float().unsqueeze(1) * w.float().unsqueeze(0)).sum(-1)
 
 
@@ -45,22 +48,18 @@ def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
 
 
 # -- the screened head: greedy steps read an int8 copy of the LM head ----------------------
-# Whether the logits of the step being run only feed an argmax (greedy sampling without
-# logprobs): the model runner sets it before each step; a recorded CPU graph reads it
-# through its address, so a replay follows the current step.
-_ARGMAX_ONLY = torch.zeros(1, dtype=torch.int64)
-_ARGMAX_ONLY_VIEW = _ARGMAX_ONLY.numpy()
 # (address, shape) -> (q, meta, Kp, slack bits, indices of sampled rows, those rows of w
 # when it was made)
 _SCREENS: dict[tuple[int, tuple[int, ...]], tuple] = {}
 _SAMPLED_ROWS = 8
 
 
-def set_argmax_only(flag: bool) -> None:
-    """Say whether the next step's logits serve only an argmax. When they do, the batch-1
-    LM head computes the exact logit only of rows that can be the largest and -inf for the
-    rest (`gemv_head_bf16`): the argmax is the full product's, the other values are not."""
-    _ARGMAX_ONLY_VIEW[0] = flag
+def argmax_only_flag() -> tuple[torch.Tensor, object]:
+    """A flag for `gemv_logits`' `argmax_only` (int64 [1], 0 or 1) and a numpy view that
+    sets it without a torch call. Whoever builds the step owns one and sets it per step; a
+    recorded CPU graph reads it through its address, so a replay follows the current step."""
+    flag = torch.zeros(1, dtype=torch.int64, device="cpu")
+    return flag, flag.numpy()
 
 
 def invalidate_screens() -> None:
@@ -126,9 +125,16 @@ def own_kernel_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _kernel() is not None
 
 
-def gemv_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv_logits(
+    x: torch.Tensor, w: torch.Tensor, argmax_only: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 logits [M, N] = x [M, K] @ w [N, K]^T for bf16 x and w on CPU, read one
-    weight row at a time (each x row re-reads the weight: meant for M = 1)."""
+    weight row at a time (each x row re-reads the weight: meant for M = 1).
+
+    Where `argmax_only` (see `argmax_only_flag`) holds 1 when the call runs, the logits
+    serve only an argmax: the batch-1 head computes the exact logit only of rows that can
+    be the largest and -inf for the rest (`gemv_head_bf16`), so the argmax is the full
+    product's and the other values are not."""
     if not (x.dtype == w.dtype and own_kernel_available(w.dtype)):
         raise RuntimeError(
             f"compilecore.gemv_logits needs bf16 x and w on a CPU with AVX512-BF16 (got "
@@ -144,22 +150,24 @@ def gemv_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         lib = _kernel(native.unrolled_sizes(k)) or _kernel()
         args: tuple = (x, x.stride(0), w, w.stride(0), y, m, n, k, torch.get_num_threads())
         fn = lib.gemv_bf16_f32
-        if m == 1 and lib.gemv_screen_available():
+        if m == 1 and argmax_only is not None and lib.gemv_screen_available():
             q, meta, kp, slack_bits = _screen(w)
-            args, fn = (*args, q, kp, meta, slack_bits, _ARGMAX_ONLY), lib.gemv_head_bf16
+            args, fn = (*args, q, kp, meta, slack_bits, argmax_only), lib.gemv_head_bf16
         fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
         if native.is_capturing():  # a CPU graph replays this call on the same buffers
             native.record_native_call(native.function_address(fn), args, "compilecore.gemv_logits")
     return y
 
 
-def _fake_gemv_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _fake_gemv_logits(
+    x: torch.Tensor, w: torch.Tensor, argmax_only: torch.Tensor | None = None
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
 
 # Through `torch.library.Library`, not the `custom_op` decorator, whose Python wrapper
 # costs ~8 us a call (NOTES section 9).
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
-_LIB.define("gemv_logits(Tensor x, Tensor w) -> Tensor")
+_LIB.define("gemv_logits(Tensor x, Tensor w, Tensor? argmax_only=None) -> Tensor")
 _LIB.impl("gemv_logits", gemv_logits, "CPU")
 torch.library.register_fake("compilecore::gemv_logits", _fake_gemv_logits, lib=_LIB)
