@@ -69,6 +69,7 @@ def screened_head_worker(rank: int, world_size: int, port: int, out_dir: str) ->
     from compilecore.parallel_state import init_model_parallel
     from models.layers.logits_processor import LogitsProcessor
     from models.layers.vocab_embedding import ParallelLMHead
+
     init_gloo(rank, world_size, port)
     init_model_parallel(world_size, 1)
     vocab, hidden = 321, 128
