@@ -169,6 +169,11 @@ class ModelRunner:
             host = {name: torch.zeros_like(getattr(self, name), device="cpu") for name in names}
             self.staging = {n: t.pin_memory() if pinned else t for n, t in host.items()}
             self.host_views = {name: t.numpy() for name, t in self.staging.items()}
+        # Recorded after each step's staging copies and waited on before the staging
+        # buffers are written again: a step that does not sample (a prompt chunk, a rank
+        # that is not the driver) returns without a sync, and a GPU still behind would
+        # otherwise copy the next step's token ids, positions and slots.
+        self._staged = torch.cuda.Event() if self.staging is not None else None
         cc = engine_config.compilation_config
         graphs = self.device.type == "cuda" and cc.mode != "none"
         self.capture_sizes = sorted(cc.cudagraph_capture_sizes or []) if graphs else []
@@ -246,6 +251,8 @@ class ModelRunner:
         padded = self.padded_size(n)
         # Padding rows: token 0 at position 0, slot -1 (written nowhere in the cache).
         pad = [0] * (padded - n)
+        if self._staged is not None:
+            self._staged.synchronize()  # the last step's copies have read the staging
         views = self.host_views  # the buffers themselves on CPU, pinned staging on a GPU
         views["input_ids"][:padded] = plan.token_ids + pad
         views["positions"][:padded] = plan.positions + pad
@@ -259,6 +266,7 @@ class ModelRunner:
                     "seq_lens": b, "slot_mapping": n, "block_table": b}  # fmt: skip
             for name, k in rows.items():
                 getattr(self, name)[:k].copy_(self.staging[name][:k], non_blocking=True)
+            self._staged.record()
         return padded
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
@@ -425,9 +433,9 @@ class ModelRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         for size in sorted(self.capture_sizes, reverse=True):
             meta = self._dummy_metadata(size)
-            inputs = None
-            if not get_pp_group().is_first_rank:
-                inputs = self.model.make_empty_intermediate_tensors(size, self.dtype, self.device)
+            # A later stage's first piece reads the persistent receive buffers, at the
+            # addresses its steps will pass (fresh tensors here failed the replay's check).
+            inputs = None if get_pp_group().is_first_rank else self._intermediate_inputs(size)
             with set_forward_context(meta, self.config, capturing=True):
                 self.model(self.input_ids[:size], self.positions[:size], inputs)
         torch.cuda.synchronize(self.device)

@@ -70,18 +70,24 @@ def cpu_kernels_usable(cache_dir: Path | None = None) -> bool:
 
 
 def kv_budget_after_profiling(
-    free: int, total: int, gpu_memory_utilization: float, activation_peak: int
+    total: int, gpu_memory_utilization: float, own_use: int, activation_peak: int, free: int
 ) -> int:
-    """Bytes left for the KV cache once weights, CUDA graphs and the caching allocator's
-    own blocks are resident (all already out of `free`, measured after capture and
-    empty_cache), keeping the 1 - utilisation share of the device to others and room for
-    the largest step's activations, which were freed back to the driver."""
-    return int(free - (1 - gpu_memory_utilization) * total - activation_peak)
+    """vLLM's rule: this engine may hold `gpu_memory_utilization` x `total` in all; what it
+    already holds (weights, CUDA graphs, the allocator's blocks: `own_use`, measured after
+    capture and empty_cache) and room for its largest step's activations (freed back to
+    the driver, so not in `own_use`) come out of that, and the rest is the KV cache. Never
+    more than is `free` now: another engine or process on the device keeps what it has."""
+    budget = int(gpu_memory_utilization * total - own_use - activation_peak)
+    return min(budget, int(free - activation_peak))
 
 
 class Worker:
     def __init__(self, engine_config: EngineConfig):
         self.config = engine_config
+        cuda = engine_config.device.type == "cuda"
+        # What this process held before this engine: its own use is what it adds (the
+        # caching allocator is shared by every engine in the process).
+        self._reserved_before = torch.cuda.memory_reserved(engine_config.device) if cuda else 0
         self.model = load_model(engine_config)
         if engine_config.device.type == "cpu":
             pack_parameters(self.model)  # before compiling: pieces read weights in place
@@ -93,6 +99,7 @@ class Worker:
         self.runner = ModelRunner(engine_config, self.model, backend)
         self.compile_seconds = 0.0
         self.activation_peak = 0
+        self.own_use = 0  # device bytes this engine held before its KV cache (CUDA)
         self._prepared = False
         self._kv_budget: int | None = None
 
@@ -120,8 +127,9 @@ class Worker:
             self.prepare()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.config.device)
+            self.own_use = torch.cuda.memory_reserved(self.config.device) - self._reserved_before
             self._kv_budget = kv_budget_after_profiling(
-                free, total, cache.gpu_memory_utilization, self.activation_peak
+                total, cache.gpu_memory_utilization, self.own_use, self.activation_peak, free
             )
         return self._kv_budget
 

@@ -37,7 +37,9 @@ def test_captured_graphs_per_size_and_piece(graphed, tiny_llama):
 @gpu
 def test_replay_equals_eager_across_padded_sizes(graphed, tiny_llama):
     llm, _ = graphed
-    eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True)
+    # A second engine on the device: an explicit budget (the first holds its share).
+    eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True,
+                kv_cache_memory=256 * 2**20)  # fmt: skip
     # 3 sequences decode as 3 tokens (padded to 4); 5 as 5 (padded to 8); prefill above 16.
     prompts = [[3 + i, 7, 11 + i] for i in range(5)] + [list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -65,15 +67,24 @@ def test_kv_cache_sized_after_profiling_and_capture(graphed):
     assert worker.activation_peak > 0
     total = torch.cuda.mem_get_info()[1]
     share = engine.config.cache_config.gpu_memory_utilization * total
-    assert torch.cuda.memory_reserved() + worker.activation_peak <= share * 1.02
+    kv = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
+    assert worker.own_use > 0 and kv > 0
+    assert worker.own_use + kv + worker.activation_peak <= share * 1.02
     budget = engine.config.scheduler_config.max_num_batched_tokens
     prompt = [5 + i % 90 for i in range(budget - 1)]  # one step over the whole token budget
     out = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-def test_kv_budget_subtracts_the_activation_peak():
+def test_kv_budget_is_the_share_less_own_use_and_the_activation_peak():
+    """vLLM's accounting: utilization x total, less this engine's own weights and graphs and
+    its largest step's activations; never more than is free (a second engine on the device
+    gets what the first left, not the first's budget again)."""
     from runtime.worker import kv_budget_after_profiling
 
     gib = 2**30
-    assert kv_budget_after_profiling(60 * gib, 80 * gib, 0.5, 2 * gib) == 18 * gib
+    assert kv_budget_after_profiling(80 * gib, 0.5, 6 * gib, 2 * gib, 70 * gib) == 32 * gib
+    # Another engine already holds 60 GiB: 10 GiB free, 2 for the activations.
+    assert kv_budget_after_profiling(80 * gib, 0.9, 6 * gib, 2 * gib, 10 * gib) == 8 * gib
+    # Whatever the device's free memory, another process's use is not this engine's.
+    assert kv_budget_after_profiling(80 * gib, 0.5, 1 * gib, 0, 80 * gib) == 39 * gib

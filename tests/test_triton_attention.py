@@ -169,3 +169,22 @@ def test_triton_on_cuda_real_sizes(dtype, head_size, block_size):
         :n
     ].float().abs().max().item() + tol
     assert torch.equal(case.layer.kv_cache, ref_layer.kv_cache)
+
+
+def test_step_varying_integers_are_not_specialized():
+    """A batch of 1 or of 16 sequences, a context in 1 or 16 splits, a chunk from the first
+    sequence: Triton would compile a variant for each (mid-serving, after the capture)."""
+    pytest.importorskip("triton")
+    from runtime.attention import triton_kernels as k
+
+    wanted = {
+        k.attention_kernel: {"num_seqs", "blocks_per_split"},
+        k.merge_kernel: {"num_splits"},
+        k.prefill_attention_kernel: {"first_seq"},
+    }
+    for kernel, names in wanted.items():
+        if hasattr(kernel, "params"):  # compiled: the JIT's own parameter records
+            free = {p.name for p in kernel.params if p.do_not_specialize}
+        else:  # interpreted: what the decorator was given
+            free = set(kernel.kwargs.get("do_not_specialize") or ())
+        assert names <= free, (kernel, free)

@@ -40,7 +40,10 @@ def find_seq(query_start_loc_ptr, num_seqs, token):
     return lo
 
 
-@triton.jit
+# Integers that change from step to step are not specialized: Triton compiles a variant
+# for a value of 1 and for one divisible by 16, and the CUDA graphs' capture warms only the
+# sizes it runs, so a new batch shape would otherwise compile (0.5-2 s) mid-serving.
+@triton.jit(do_not_specialize=["num_seqs", "blocks_per_split"])
 def attention_kernel(
     q_ptr,
     kc_ptr,
@@ -119,7 +122,7 @@ def attention_kernel(
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def merge_kernel(
     part_ptr,
     out_ptr,
@@ -154,7 +157,7 @@ def merge_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq"])
 def prefill_attention_kernel(
     q_ptr,
     kc_ptr,
