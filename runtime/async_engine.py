@@ -143,7 +143,7 @@ class AsyncLLM:
             self.abort(request_id)
 
     def _add(self, request_id: str, tokens: list[int], params: SamplingParams) -> _Stream:
-        if params.n > self.max_waiting:  # would never fit: not a "try again later"
+        if 0 < self.max_waiting < params.n:  # would never fit: not a "try again later"
             raise ValueError(
                 f"n={params.n} samples are more than the waiting queue holds "
                 f"(max_waiting={self.max_waiting})"

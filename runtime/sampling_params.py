@@ -3,6 +3,7 @@ ValueError naming the parameter, at construction, before anything is queued."""
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from numbers import Real
@@ -52,6 +53,8 @@ class SamplingParams:
     # as vLLM's fast path does. Accepted so vLLM scripts run unchanged.
     spaces_between_special_tokens: bool = True
     extra_args: dict[str, Any] | None = None  # for user code; the engine never reads it
+    # vLLM's V1 dropped best_of > n; frameworks still pass best_of=1 (or n).
+    best_of: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -64,8 +67,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not low <= value <= high:
                 fail(name, f"a number in [{low}, {high}]")
-        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
-            fail("repetition_penalty", "a number in (0, 2]")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            fail("repetition_penalty", "a finite number > 0")
         if not _is_real(self.temperature) or self.temperature < 0:
             fail("temperature", "a finite number >= 0")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -124,6 +127,9 @@ class SamplingParams:
             fail("stop", "empty when detokenize=False (stop strings match the text)")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             fail("extra_args", "a dict or None")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
+            fail("best_of", f"None or n ({self.n}): more candidates than returned samples "
+                 "is not supported (nor in vLLM's V1 engine)")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -158,9 +164,13 @@ class SamplingParams:
             *(self.allowed_token_ids or []),
         ]
 
+    def clone(self) -> SamplingParams:
+        """A copy whose lists and dicts are its own (vLLM's `clone`)."""
+        return copy.deepcopy(self)
+
     def for_sample(self, index: int) -> SamplingParams:
         """The params of the index-th of `n` samples: one sample, its own seed."""
         seed = None if self.seed is None else self.seed + index
         kwargs = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
-        kwargs.update(n=1, seed=seed)
+        kwargs.update(n=1, seed=seed, best_of=None)
         return SamplingParams(**kwargs)

@@ -279,6 +279,9 @@ def test_an_error_mid_stream_ends_with_an_error_event_and_done(server, client, m
             "truncate_prompt_tokens",
         ),  # fmt: skip
         ({"model": "nope", "prompt": "x"}, 404, "model"),
+        # vLLM: stream_options only with stream=true
+        ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+         "stream_options"),  # fmt: skip
         # EOS (id 2) is the only token allowed and min_tokens masks it: nothing to draw
         ({"model": MODEL, "prompt": "x", "allowed_token_ids": [2], "min_tokens": 1}, 400, None),
     ],
@@ -294,6 +297,23 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
         assert error["param"] == param
     _idle(engine)
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices
+
+
+def test_openai_nulls_are_the_defaults_and_top_logprobs_needs_logprobs(server):
+    """OpenAI's spec allows null for n, stream, logprobs and the penalties (clients that
+    serialize every field send them): null means the default, as in OpenAI's and vLLM's
+    servers. top_logprobs without logprobs is a 400, as in vLLM."""
+    base, engine = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    nulls = {"n": None, "stream": None, "logprobs": None, "presence_penalty": None,
+             "frequency_penalty": None, "max_tokens": 3, "temperature": 0}  # fmt: skip
+    r = _http("POST", base + "/v1/completions", {"model": MODEL, "prompt": "x", **nulls}, auth)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **nulls}
+    assert _http("POST", base + "/v1/chat/completions", chat, auth).status_code == 200
+    r = _http("POST", base + "/v1/chat/completions", {**chat, "top_logprobs": 2}, auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    _idle(engine)
 
 
 def test_max_tokens_beyond_the_context_is_refused_like_vllm(server):

@@ -69,11 +69,25 @@ def _idle(llm: LLM) -> None:
         ({"bad_words": [" "]}, "bad_words"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"n": 2.0}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
     ],
 )
 def test_bad_values_name_the_field(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name} must be"):
         SamplingParams(**kwargs)
+
+
+def test_vllm_spellings_frameworks_pass():
+    """best_of equal to n (LangChain and others pass best_of=1), a repetition penalty above
+    2 (vLLM bounds it only below), and clone() with lists of its own."""
+    assert SamplingParams(best_of=1).n == 1 and SamplingParams(n=2, best_of=2).best_of == 2
+    assert SamplingParams(repetition_penalty=3.0).repetition_penalty == 3.0
+    params = SamplingParams(stop=["x"], logit_bias={1: 2.0}, n=2, best_of=2)
+    twin = params.clone()
+    twin.logit_bias[1] = 5.0
+    assert params.logit_bias == {1: 2.0} and twin.stop == ["x"] and twin.best_of == 2
+    assert params.for_sample(1).best_of is None
 
 
 def test_logit_bias_keys_from_json_and_clamped():

@@ -286,6 +286,8 @@ class _Server:
             body.chat_template_kwargs,
         )
         max_tokens = body.max_completion_tokens or body.max_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -18,16 +18,17 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    # OpenAI's spec allows null for n, stream and the penalties: null is the default.
     model: str | None = None
-    n: int = 1
+    n: int | None = 1
     stop: str | list[str] | None = None
     seed: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra fields
@@ -43,6 +44,7 @@ class _Sampling(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    best_of: int | None = None
 
     def sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None
@@ -53,10 +55,12 @@ class _Sampling(BaseModel):
             value = getattr(self, name)
             return getattr(defaults, name) if value is None else value
 
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
         return SamplingParams(
-            n=self.n,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            n=1 if self.n is None else self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty"),
             temperature=pick("temperature"),
             top_p=pick("top_p"),
@@ -76,6 +80,7 @@ class _Sampling(BaseModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            best_of=self.best_of,
         )
 
 
@@ -105,7 +110,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
