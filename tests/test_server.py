@@ -207,10 +207,11 @@ def test_32_concurrent_streams_equal_sequential_greedy(server, oracle):
 @pytest.mark.parametrize("prompts", [1, 2], ids=["one-prompt", "two-prompts"])
 def test_disconnect_mid_stream_frees_the_request(server, prompts):
     """One prompt's stream or several merged: the requests are aborted when the client
-    goes away."""
+    goes away (counted as such), not run on to max_tokens."""
     base, engine = server
+    disconnected = _counted(base, "disconnected")
     prompt = PROMPTS[3] if prompts == 1 else [PROMPTS[3], PROMPTS[2]]
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 200, "stream": True,
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 240, "stream": True,
             "ignore_eos": True}  # fmt: skip
     headers = {"Authorization": f"Bearer {KEY}"}
     u = urlparse(base)
@@ -225,6 +226,13 @@ def test_disconnect_mid_stream_frees_the_request(server, prompts):
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
     _idle(engine)  # the abort freed every block
+    assert _counted(base, "disconnected") == disconnected + 1
+
+
+def _counted(base: str, status: str) -> float:
+    text = _http("GET", base + "/metrics").text
+    line = f'compilecore:requests_total{{status="{status}"}} '
+    return next((float(ln[len(line) :]) for ln in text.splitlines() if ln.startswith(line)), 0.0)
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
@@ -280,8 +288,11 @@ def test_an_error_mid_stream_ends_with_an_error_event_and_done(server, client, m
         ),  # fmt: skip
         ({"model": "nope", "prompt": "x"}, 404, "model"),
         # vLLM: stream_options only with stream=true
-        ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
-         "stream_options"),  # fmt: skip
+        (
+            {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+        ),  # fmt: skip
         # EOS (id 2) is the only token allowed and min_tokens masks it: nothing to draw
         ({"model": MODEL, "prompt": "x", "allowed_token_ids": [2], "min_tokens": 1}, 400, None),
     ],

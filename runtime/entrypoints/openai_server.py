@@ -17,9 +17,11 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -60,13 +62,32 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-async def event_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generator is closed when the response ends, also when the
+    client went away mid-stream: Starlette then stops iterating and leaves the generator
+    to the garbage collector, and the request it serves would run on to max_tokens."""
+
+    def __init__(self, events: AsyncGenerator[str, None]):
+        super().__init__(events, media_type="text/event-stream")
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            # Shielded: a disconnect cancels this task's scope, which would cancel the
+            # close itself at its first await.
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def event_stream(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
     """`events`, and where they fail after the response has begun, vLLM's ending: an
     error event in OpenAI's error JSON, then `[DONE]` (a dropped connection tells the
-    client nothing)."""
+    client nothing). Closing this closes `events`."""
     try:
-        async for event in events:
-            yield event
+        async with aclosing(events):
+            async for event in events:
+                yield event
     except APIError as e:
         yield _sse(error_body(e.status, e.message, e.param))
         yield "data: [DONE]\n\n"
@@ -256,16 +277,17 @@ class _Server:
             async def events():
                 usage = {"prompt_tokens": sum(lengths), "completion_tokens": 0}
                 echoed: set[tuple[int, int]] = set()
-                async for i, d in self._merged(streams):
-                    usage["completion_tokens"] += len(d.token_ids)
-                    first = (i, d.index) not in echoed
-                    echoed.add((i, d.index))
-                    text = (texts[i] if body.echo and first else "") + d.text
-                    yield _sse(self._envelope(rid, kind, [choice(i * n + d.index, d, text)]))
+                async with aclosing(self._merged(streams)) as merged:
+                    async for i, d in merged:
+                        usage["completion_tokens"] += len(d.token_ids)
+                        first = (i, d.index) not in echoed
+                        echoed.add((i, d.index))
+                        text = (texts[i] if body.echo and first else "") + d.text
+                        yield _sse(self._envelope(rid, kind, [choice(i * n + d.index, d, text)]))
                 for tail in self._stream_end(rid, kind, body, usage):
                     yield tail
 
-            return StreamingResponse(event_stream(events()), media_type="text/event-stream")
+            return EventStreamResponse(event_stream(events()))
         merged = await self._collect(streams)
         choices, completion_tokens = [], 0
         for (i, k), d in sorted(merged.items()):
@@ -301,19 +323,20 @@ class _Server:
             async def events():
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
                 started: set[int] = set()
-                async for _, d in self._merged(streams):
-                    usage["completion_tokens"] += len(d.token_ids)
-                    delta: dict[str, Any] = {"content": d.text}
-                    if d.index not in started:
-                        started.add(d.index)
-                        delta["role"] = "assistant"
-                    choice = {"index": d.index, "delta": delta, "logprobs": logprobs(d),
-                              "finish_reason": d.finish_reason}  # fmt: skip
-                    yield _sse(self._envelope(rid, "chat.completion.chunk", [choice]))
+                async with aclosing(self._merged(streams)) as merged:
+                    async for _, d in merged:
+                        usage["completion_tokens"] += len(d.token_ids)
+                        delta: dict[str, Any] = {"content": d.text}
+                        if d.index not in started:
+                            started.add(d.index)
+                            delta["role"] = "assistant"
+                        choice = {"index": d.index, "delta": delta, "logprobs": logprobs(d),
+                                  "finish_reason": d.finish_reason}  # fmt: skip
+                        yield _sse(self._envelope(rid, "chat.completion.chunk", [choice]))
                 for tail in self._stream_end(rid, "chat.completion.chunk", body, usage):
                     yield tail
 
-            return StreamingResponse(event_stream(events()), media_type="text/event-stream")
+            return EventStreamResponse(event_stream(events()))
         merged = await self._collect(streams)
         choices, completion_tokens = [], 0
         for (_, k), d in sorted(merged.items()):
@@ -389,11 +412,14 @@ class _Server:
             status = "disconnected"
             raise
         finally:
+            self.metrics.count(status)
             for task in tasks:
                 task.cancel()
-            for s in streams:
-                await s.aclose()
-            self.metrics.count(status)
+            # Shielded: after a disconnect this runs in a cancelled scope, where any await
+            # would be cancelled before the requests were aborted.
+            with anyio.CancelScope(shield=True):
+                for s in streams:
+                    await s.aclose()
 
     async def _collect(self, streams: list) -> dict[tuple[int, int], StreamDelta]:
         out: dict[tuple[int, int], StreamDelta] = {}
