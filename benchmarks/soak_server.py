@@ -55,9 +55,7 @@ class Tally:
         self.tokens = 0
 
 
-async def _stream(
-    http, url: str, body: dict, headers: dict, tally: Tally, cut: int | None
-) -> bool:
+async def _stream(http, url: str, body: dict, headers: dict, tally: Tally, cut: int | None) -> bool:
     """One streamed completion; `cut`: go away after that many events. False where the
     queue was full (503)."""
     start, first, events = time.perf_counter(), None, 0
