@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -234,7 +235,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--chat-template {template!r}: no such file, and not a template")
     engine = AsyncLLM(args.model, max_waiting=args.max_waiting, **_engine_args(args))
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    app = build_app(engine, name, api_key=args.api_key, chat_template=template)
+    options = json.loads(args.structured_outputs_config or "{}")
+    app = build_app(engine, name, api_key=args.api_key, chat_template=template,
+                    disable_any_whitespace=bool(options.get("disable_any_whitespace")))  # fmt: skip
     print(f"compilecore: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     engine.shutdown()
@@ -325,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (then 503)")
+    serve.add_argument("--structured-outputs-config", default=None,
+                       help='JSON, vLLM\'s: {"disable_any_whitespace": true}')  # fmt: skip
     serve.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="warning")
     serve.add_argument(
         "--chat-template", default=None,

@@ -21,6 +21,7 @@ from runtime.outputs import Logprob
 from runtime.request import Request
 from runtime.sampler import NO_TOKEN, Sampler
 from runtime.scheduler import Scheduler, SchedulerOutput
+from runtime.structured_output import GrammarCompilerCache
 
 logger = logging.getLogger("compilecore")
 
@@ -45,6 +46,17 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer | NullDetokenizer] = {}
         self.eos_token_ids = eos_token_ids(engine_config.model_config, tokenizer)
+        self._grammars: GrammarCompilerCache | None = None
+
+    def grammars(self) -> GrammarCompilerCache:
+        """The structured-output grammar compiler (made on first use: xgrammar)."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer (skip_tokenizer_init)")
+        if self._grammars is None:
+            vocab = self.config.model_config.hf_config.vocab_size
+            stops = sorted(self.eos_token_ids)
+            self._grammars = GrammarCompilerCache(self.tokenizer, vocab, stops)
+        return self._grammars
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache_config
@@ -81,6 +93,8 @@ class LLMEngine:
                 stop=params.stop_strings,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars().matcher(params.structured_outputs)
         self.detokenizers[request.request_id] = detokenizer
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
@@ -135,7 +149,13 @@ class LLMEngine:
             req.append_token(token)
             if logprobs is not None:
                 req.output_logprobs.append(self._logprob_objects(logprobs, req))
-            if self._check_stop(req, token):
+            if req.grammar is not None and not req.grammar.accept(token):
+                self._finish(req, "error")  # cannot happen: the mask allowed only these
+                finished.append(req)
+            elif self._check_stop(req, token):
+                finished.append(req)
+            elif req.grammar is not None and req.grammar.complete:
+                self._finish(req, "stop")  # the grammar took its end (EOS under ignore_eos)
                 finished.append(req)
         return finished
 

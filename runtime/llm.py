@@ -304,6 +304,11 @@ class LLM:
                 f"{where}: stop strings and bad_words need a tokenizer (skip_tokenizer_init)"
             )
         self._check_some_token_allowed(where, sp)
+        if sp.structured_outputs is not None:
+            try:
+                self.llm_engine.grammars().compile(sp.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
 
     def _check_some_token_allowed(self, where: str, sp: SamplingParams) -> None:
         """Refuses params whose constraints leave no token to generate first, where that

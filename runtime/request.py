@@ -39,6 +39,8 @@ class Request:
     # Each bad word as token ids (with and without a leading space), set by the LLM.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Any] | None] = field(default_factory=list)
+    # The request's place in its structured-output grammar (set by the engine), or None.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         # One list for prompt and output, appended in place: the block hashes and the

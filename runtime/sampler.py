@@ -2,6 +2,7 @@
 
 Per row, on fp32 logits (`process_logits`), each step only where the request asks for it:
 
+0. structured outputs: the tokens its grammar does not allow next -> -inf
 1. `allowed_token_ids`: every other token -> -inf
 2. `bad_words`: the last token of a banned word whose earlier tokens end the output -> -inf
 3. `logit_bias`: added (vLLM clamps each bias to [-100, 100])
@@ -60,6 +61,8 @@ def process_logits(logits: torch.Tensor, requests: list[Request], eos_ids: froze
         if not (p.has_logits_processing or len(req.output_token_ids) < p.min_tokens):
             continue
         row, device = logits[i], logits.device
+        if req.grammar is not None:  # the structured output's next tokens, first (vLLM)
+            req.grammar.mask(row)
         if p.allowed_token_ids:
             keep = row.new_full(row.shape, NEG_INF)
             keep[list(p.allowed_token_ids)] = 0.0

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from numbers import Real
 from typing import Any
 
+from runtime.structured_output import StructuredOutputsParams
+
 _EPS = 1e-5
 # torch.Generator.manual_seed takes any value in [-2**63, 2**64).
 SEED_RANGE = (-(2**63), 2**64)
@@ -55,6 +57,10 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None  # for user code; the engine never reads it
     # vLLM's V1 dropped best_of > n; frameworks still pass best_of=1 (or n).
     best_of: int | None = None
+    # The output held to a JSON schema, a regex, a choice or a grammar (vLLM's current name;
+    # `guided_decoding` is its older one): runtime/structured_output.py.
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +133,14 @@ class SamplingParams:
             fail("stop", "empty when detokenize=False (stop strings match the text)")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             fail("extra_args", "a dict or None")
+        try:
+            if self.guided_decoding is not None:
+                if self.structured_outputs is not None:
+                    raise ValueError("set structured_outputs or guided_decoding, not both")
+                self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+            self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs must be valid: {e}") from None
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
             fail("best_of", f"None or n ({self.n}): more candidates than returned samples "
                  "is not supported (nor in vLLM's V1 engine)")  # fmt: skip
@@ -148,7 +162,8 @@ class SamplingParams:
         """Whether the logits of this request change before sampling (besides min_tokens,
         which the sampler checks per step)."""
         return bool(
-            self.allowed_token_ids
+            self.structured_outputs
+            or self.allowed_token_ids
             or self.bad_words
             or self.logit_bias
             or self.repetition_penalty != 1.0

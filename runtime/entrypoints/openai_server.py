@@ -84,16 +84,16 @@ async def event_stream(events: AsyncGenerator[str, None]) -> AsyncGenerator[str,
     """`events`, and where they fail after the response has begun, vLLM's ending: an
     error event in OpenAI's error JSON, then `[DONE]` (a dropped connection tells the
     client nothing). Closing this closes `events`."""
-    try:
-        async with aclosing(events):
+    async with aclosing(events):
+        try:
             async for event in events:
                 yield event
-    except APIError as e:
-        yield _sse(error_body(e.status, e.message, e.param))
-        yield "data: [DONE]\n\n"
-    except Exception as e:  # a bug of ours: still a well-formed end
-        yield _sse(error_body(500, f"{type(e).__name__}: {e}"))
-        yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _sse(error_body(e.status, e.message, e.param))
+            yield "data: [DONE]\n\n"
+        except Exception as e:  # a bug of ours: still a well-formed end
+            yield _sse(error_body(500, f"{type(e).__name__}: {e}"))
+            yield "data: [DONE]\n\n"
 
 
 def build_app(
@@ -101,11 +101,14 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     chat_template: str | None = None,
+    disable_any_whitespace: bool = False,
 ) -> FastAPI:
     """`chat_template`: the server's default (vLLM's `--chat-template`); a request's own
-    `chat_template` still wins."""
+    `chat_template` still wins. `disable_any_whitespace`: structured JSON outputs without
+    free whitespace (vLLM's `--structured-outputs-config` option of that name)."""
     app = FastAPI(title="compilecore", docs_url=None, redoc_url=None)
     server = _Server(engine, served_model_name, chat_template)
+    server.disable_any_whitespace = disable_any_whitespace
     protected = ("/v1/", "/tokenize", "/detokenize")
 
     @app.middleware("http")
@@ -193,6 +196,7 @@ class _Server:
         self.created = int(time.time())
         self.max_model_len = engine.llm.engine_config.model_config.max_model_len
         self.metrics = ServerMetrics()
+        self.disable_any_whitespace = False
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -371,9 +375,12 @@ class _Server:
     def _params(self, body, max_tokens: int | None, logprobs: int | None):
         defaults = self.engine.llm.get_default_sampling_params()
         try:
-            return body.sampling_params(defaults, max_tokens, logprobs)
+            params = body.sampling_params(defaults, max_tokens, logprobs)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(" ", 1)[0]) from e
+        if self.disable_any_whitespace and params.structured_outputs is not None:
+            params.structured_outputs.disable_any_whitespace = True
+        return params
 
     async def _merged(self, streams: list) -> AsyncIterator[tuple[int, StreamDelta]]:
         """Deltas of every prompt's stream as they come, with the prompt's index; the
@@ -416,8 +423,12 @@ class _Server:
             for task in tasks:
                 task.cancel()
             # Shielded: after a disconnect this runs in a cancelled scope, where any await
-            # would be cancelled before the requests were aborted.
+            # would be cancelled before the requests were aborted. A pump cancelled inside
+            # its stream closes that stream (which aborts the request); only then can a
+            # stream that never started be closed here (closing one that a task is still
+            # inside raises).
             with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
                 for s in streams:
                     await s.aclose()
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from runtime.sampling_params import SamplingParams
+from runtime.structured_output import from_request
 
 
 class StreamOptions(BaseModel):
@@ -45,6 +46,14 @@ class _Sampling(BaseModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     best_of: int | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* fields (runtime/structured_output.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None
@@ -81,6 +90,16 @@ class _Sampling(BaseModel):
             bad_words=self.bad_words,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             best_of=self.best_of,
+            structured_outputs=from_request(
+                self.response_format,
+                self.structured_outputs,
+                {
+                    "json": self.guided_json,
+                    "regex": self.guided_regex,
+                    "choice": self.guided_choice,
+                    "grammar": self.guided_grammar,
+                },
+            ),  # fmt: skip
         )
 
 
