@@ -236,8 +236,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = AsyncLLM(args.model, max_waiting=args.max_waiting, **_engine_args(args))
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     options = json.loads(args.structured_outputs_config or "{}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     app = build_app(engine, name, api_key=args.api_key, chat_template=template,
-                    disable_any_whitespace=bool(options.get("disable_any_whitespace")))  # fmt: skip
+                    disable_any_whitespace=bool(options.get("disable_any_whitespace")),
+                    tool_call_parser=parser)  # fmt: skip
     print(f"compilecore: serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     engine.shutdown()
@@ -328,6 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests (then 503)")
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": calls parsed from the text (vLLM\'s flag)',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes"],
+        help="how auto tool calls are written: hermes (<tool_call>{...})",
+    )
     serve.add_argument("--structured-outputs-config", default=None,
                        help='JSON, vLLM\'s: {"disable_any_whitespace": true}')  # fmt: skip
     serve.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="warning")

@@ -48,7 +48,7 @@ GENERATION_DEFAULTS = {
 }
 # What `apply_chat_template` passes to the tokenizer's itself (render() takes `messages`).
 _CHAT_TEMPLATE_ARGS = {"conversation", "messages", "tokenize", "chat_template",
-                       "add_generation_prompt", "continue_final_message"}  # fmt: skip
+                       "add_generation_prompt", "continue_final_message", "tools"}  # fmt: skip
 
 
 class LLM:
@@ -198,6 +198,7 @@ class LLM:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
     ) -> dict:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer: this LLM was made with skip_tokenizer_init")
@@ -224,6 +225,7 @@ class LLM:
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
                 **kwargs,
             )
         except Exception as e:  # the template is the caller's code: it may raise anything

@@ -487,3 +487,115 @@ def test_a_structured_output_that_cannot_be_served_is_a_400(server, extra, messa
     r = _http("POST", base + "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 400 and message in r.json()["error"]["message"]
     _idle(engine)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}},
+    "required": ["utc"], "additionalProperties": False}}}  # fmt: skip
+
+
+def _calls(client, tool_choice, stream: bool, messages=None) -> tuple[list, str]:
+    messages = messages or [{"role": "user", "content": "Weather in Paris?"}]
+    # One call at most: a random model would add calls until max_tokens.
+    kwargs = dict(model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                  max_tokens=80, temperature=0, parallel_tool_calls=False)  # fmt: skip
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.message.tool_calls or [], choice.finish_reason
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                calls[call.index] = call
+            finish = c.finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("named", [True, False], ids=["named", "required"])
+def test_forced_tool_calls_round_trip(client, stream, named):
+    """tool_choice "required" or a named function forces a valid call through the grammar
+    (any model): the call's arguments validate against its tool, finish_reason is
+    "tool_calls"; the call and a tool result go back through the template and the model
+    answers in text."""
+    choice = {"type": "function", "function": {"name": "get_weather"}} if named else "required"
+    calls, finish = _calls(client, choice, stream)
+    assert calls and finish == "tool_calls"
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments),
+                            tools[call.function.name]["function"]["parameters"])  # fmt: skip
+    if named:
+        assert [c.function.name for c in calls] == ["get_weather"]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function",
+             "function": {"name": calls[0].function.name, "arguments": calls[0].function.arguments}}
+        ]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C and sunny"},
+    ]  # fmt: skip
+    final = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                           temperature=0, tools=[WEATHER])  # fmt: skip
+    assert final.choices[0].message.content is not None and not final.choices[0].message.tool_calls
+
+
+def test_tools_and_tool_messages_reach_the_chat_template(oracle):
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                "{{ m.role }}:{{ m.content }}{% if m.tool_calls %}"
+                "{{ m.tool_calls[0].function.arguments.city }}{% endif %}"
+                "{{ m.tool_call_id or '' }};{% endfor %}")  # fmt: skip
+    from runtime.entrypoints.protocol import ChatMessage
+
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    messages = [ChatMessage(role="assistant", content=None, tool_calls=[call]),
+                ChatMessage(role="tool", tool_call_id="call_1", content="cold")]  # fmt: skip
+    prompt = oracle.apply_chat_template(
+        [m.text() for m in messages], False, chat_template=template, tools=[WEATHER, TIME]
+    )["prompt"]
+    assert prompt == "[get_weather][get_time]assistant:Oslo;tool:coldcall_1;"
+
+
+def test_tool_choice_errors_are_400s(server):
+    base, engine = server
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for extra, message in [
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "--enable-auto-tool-choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                              "function": {"name": "nope"}}}, "names no tool"),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools must be"),
+    ]:  # fmt: skip
+        r = _http("POST", base + "/v1/chat/completions", {**chat, **extra}, auth)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    # Tools without a tool_choice and without a parser: plain text, as vLLM's "none".
+    r = _http("POST", base + "/v1/chat/completions", {**chat, "tools": [WEATHER]}, auth)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] != "tool_calls"
+    _idle(engine)
+
+
+def test_auto_tool_choice_parses_hermes_calls():
+    from runtime.entrypoints import tool_calls
+
+    text = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    text += "</tool_call>"
+    content, calls = tool_calls.parse(text, "auto")
+    assert content == "Let me check." and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert tool_calls.parse("no call here", "auto") == ("no call here", [])
+    assert tool_calls.parse("<tool_call>{broken</tool_call>", "auto")[1] == []

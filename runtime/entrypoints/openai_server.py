@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.async_engine import AsyncLLM, QueueFullError, RequestFailedError, StreamDelta
+from runtime.entrypoints import tool_calls
 from runtime.entrypoints.metrics import ServerMetrics
 from runtime.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -35,6 +36,7 @@ from runtime.entrypoints.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from runtime.structured_output import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -102,6 +104,7 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     disable_any_whitespace: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """`chat_template`: the server's default (vLLM's `--chat-template`); a request's own
     `chat_template` still wins. `disable_any_whitespace`: structured JSON outputs without
@@ -109,6 +112,9 @@ def build_app(
     app = FastAPI(title="compilecore", docs_url=None, redoc_url=None)
     server = _Server(engine, served_model_name, chat_template)
     server.disable_any_whitespace = disable_any_whitespace
+    if tool_call_parser not in (None, *tool_calls.PARSERS):
+        raise ValueError(f"tool call parser {tool_call_parser!r}: one of {tool_calls.PARSERS}")
+    server.tool_parser = tool_call_parser
     protected = ("/v1/", "/tokenize", "/detokenize")
 
     @app.middleware("http")
@@ -197,6 +203,7 @@ class _Server:
         self.max_model_len = engine.llm.engine_config.model_config.max_model_len
         self.metrics = ServerMetrics()
         self.disable_any_whitespace = False
+        self.tool_parser: str | None = None  # "auto" tool choice parses calls with it
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -206,7 +213,9 @@ class _Server:
                 "model",
             )
 
-    def chat_prompt(self, messages, add_generation_prompt, continue_final, template, kwargs):
+    def chat_prompt(
+        self, messages, add_generation_prompt, continue_final, template, kwargs, tools=None
+    ):
         try:
             return self.engine.llm.apply_chat_template(
                 [m.text() for m in messages],
@@ -214,6 +223,7 @@ class _Server:
                 chat_template=template,
                 continue_final_message=continue_final,
                 chat_template_kwargs=kwargs,
+                tools=tools,
             )
         except ValueError as e:
             raise APIError(400, str(e), "messages") from e
@@ -304,18 +314,32 @@ class _Server:
     # -- /v1/chat/completions -------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest):
         self.check_model(body.model)
+        try:
+            tool_choice = tool_calls.resolve_choice(body.tools, body.tool_choice, self.tool_parser)
+            parallel = body.parallel_tool_calls is not False
+            schema = tool_calls.forced_schema(body.tools, tool_choice, parallel)
+        except ValueError as e:
+            raise APIError(400, str(e), "tool_choice") from e
         prompt = self.chat_prompt(
             body.messages,
             body.add_generation_prompt,
             body.continue_final_message,
             body.chat_template or self.chat_template,
             body.chat_template_kwargs,
+            body.tools,
         )
         max_tokens = body.max_completion_tokens or body.max_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, top)
+        if schema is not None:  # a required or named tool call, forced by the grammar
+            if params.structured_outputs is not None:
+                raise APIError(400, "tool_choice and a structured output exclude each other",
+                               "tool_choice")  # fmt: skip
+            params.structured_outputs = StructuredOutputsParams(
+                json=schema, disable_any_whitespace=self.disable_any_whitespace
+            )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams, (prompt_tokens,) = self.start([prompt], params, rid, max_tokens)
 
@@ -323,39 +347,50 @@ class _Server:
             return _chat_logprobs(d.logprobs, top) if top is not None else None
 
         if body.stream:
-
-            async def events():
-                usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0}
-                started: set[int] = set()
-                async with aclosing(self._merged(streams)) as merged:
-                    async for _, d in merged:
-                        usage["completion_tokens"] += len(d.token_ids)
-                        delta: dict[str, Any] = {"content": d.text}
-                        if d.index not in started:
-                            started.add(d.index)
-                            delta["role"] = "assistant"
-                        choice = {"index": d.index, "delta": delta, "logprobs": logprobs(d),
-                                  "finish_reason": d.finish_reason}  # fmt: skip
-                        yield _sse(self._envelope(rid, "chat.completion.chunk", [choice]))
-                for tail in self._stream_end(rid, "chat.completion.chunk", body, usage):
-                    yield tail
-
-            return EventStreamResponse(event_stream(events()))
+            events = self._chat_events(rid, body, streams, prompt_tokens, tool_choice, logprobs)
+            return EventStreamResponse(event_stream(events))
         merged = await self._collect(streams)
         choices, completion_tokens = [], 0
         for (_, k), d in sorted(merged.items()):
             completion_tokens += len(d.token_ids)
-            choices.append(
-                {
-                    "index": k,
-                    "message": {"role": "assistant", "content": d.text},
-                    "logprobs": logprobs(d),
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                }
-            )
+            message, finish = _chat_message(d, tool_choice)
+            choices.append({"index": k, "message": message, "logprobs": logprobs(d),
+                            "finish_reason": finish, "stop_reason": d.stop_reason})  # fmt: skip
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
         return self._envelope(rid, "chat.completion", choices, usage)
+
+    async def _chat_events(self, rid, body, streams, prompt_tokens, tool_choice, logprobs):
+        """Chat chunks as tokens arrive; with tools in play, each choice's text is held
+        until it ends and sent as content or as tool calls (what it is is known then)."""
+        kind, usage = "chat.completion.chunk", {"prompt_tokens": prompt_tokens}
+        usage["completion_tokens"] = 0
+        started: set[int] = set()
+        held: dict[int, StreamDelta] = {}
+        async with aclosing(self._merged(streams)) as merged:
+            async for _, d in merged:
+                usage["completion_tokens"] += len(d.token_ids)
+                delta: dict[str, Any] = {"content": d.text}
+                finish = d.finish_reason
+                if tool_choice is not None:
+                    whole = held.setdefault(d.index, StreamDelta(d.index, "", [], []))
+                    whole.text += d.text
+                    delta = {"content": ""}
+                    if finish is not None:
+                        whole.finish_reason = finish
+                        message, finish = _chat_message(whole, tool_choice)
+                        delta = {k: v for k, v in message.items() if k != "role"}
+                        if "tool_calls" in delta:
+                            delta["tool_calls"] = [
+                                {"index": j, **call} for j, call in enumerate(delta["tool_calls"])
+                            ]  # fmt: skip
+                if d.index not in started:
+                    started.add(d.index)
+                    delta["role"] = "assistant"
+                choice = {"index": d.index, "delta": delta, "logprobs": logprobs(d),
+                          "finish_reason": finish}  # fmt: skip
+                yield _sse(self._envelope(rid, kind, [choice]))
+        for tail in self._stream_end(rid, kind, body, usage):
+            yield tail
 
     # -- shared ---------------------------------------------------------------------------
     def _envelope(self, rid: str, kind: str, choices: list, usage: dict | None = None) -> dict:
@@ -451,6 +486,16 @@ class _Server:
                 prev.logprobs += d.logprobs
                 prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
         return out
+
+
+def _chat_message(d: StreamDelta, tool_choice: Any) -> tuple[dict, str | None]:
+    """A finished choice's message (content, or tool calls) and its finish reason."""
+    content, calls = tool_calls.parse(d.text, tool_choice)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if not calls:
+        return message, d.finish_reason
+    message["tool_calls"] = calls
+    return message, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
 
 
 def _sse(payload: dict) -> str:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from runtime.entrypoints.tool_calls import template_message
 from runtime.sampling_params import SamplingParams
 from runtime.structured_output import from_request
 
@@ -115,14 +116,26 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = ""
+    # An assistant's tool calls, and a tool result's call id and function name: they reach
+    # the chat template (a tool-calling round trip needs them).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def text(self) -> dict[str, str]:
+    def text(self) -> dict[str, Any]:
+        """The message as the chat template takes it (ValueError for a content part whose
+        text is not a string)."""
         content = self.content
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            content = "".join(
-                part.get("text", "") for part in content if part.get("type") == "text"
-            )
-        return {"role": self.role, "content": content or ""}
+            texts = [part.get("text", "") for part in content if part.get("type") == "text"]
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("a text content part's text must be a string")
+            content = "".join(texts)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return template_message(message)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -135,6 +148,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: one call at most
 
 
 class TokenizeRequest(BaseModel):
