@@ -290,6 +290,9 @@ def test_an_error_mid_stream_ends_with_an_error_event_and_done(server, client, m
             "truncate_prompt_tokens",
         ),  # fmt: skip
         ({"model": "nope", "prompt": "x"}, 404, "model"),
+        # No field dropped in silence: one not served is a 400 naming it
+        ({"model": MODEL, "prompt": "x", "suffix": "!"}, 400, "suffix"),
+        ({"model": MODEL, "prompt": "x", "temprature": 0.5}, 400, "temprature"),
         # vLLM: stream_options only with stream=true
         (
             {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}},
@@ -599,3 +602,14 @@ def test_auto_tool_choice_parses_hermes_calls():
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
     assert tool_calls.parse("no call here", "auto") == ("no call here", [])
     assert tool_calls.parse("<tool_call>{broken</tool_call>", "auto")[1] == []
+
+
+def test_version_and_vllm_metric_names(server, client):
+    base, _ = server
+    assert _http("GET", base + "/version").json()["version"]
+    client.completions.create(model=MODEL, prompt="ok", max_tokens=2)
+    text = _http("GET", base + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count"):  # fmt: skip
+        assert name in text, name
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text

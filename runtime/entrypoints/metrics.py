@@ -31,15 +31,32 @@ class ServerMetrics:
                              registry=self.registry)  # fmt: skip
         self.kv_usage = Gauge("compilecore:kv_cache_usage_perc", "KV-cache blocks in use (0-1)",
                               registry=self.registry)  # fmt: skip
+        # The same quantities under vLLM's names, so vLLM's dashboards find them.
+        self.vllm = {
+            name: Gauge(f"vllm:{name}", doc, ["model_name"], registry=self.registry)
+            for name, doc in (("num_requests_running", "Running requests"),
+                              ("num_requests_waiting", "Waiting requests"),
+                              ("kv_cache_usage_perc", "KV-cache usage (0-1)"))
+        }  # fmt: skip
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token",
+                                   buckets=_LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency",
+                                  buckets=_LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
+        self.model_name = "model"
 
     def count(self, status: str) -> None:
         self.requests.labels(status=status).inc()
 
     def observe_token(self, seconds: float, first: bool) -> None:
         (self.ttft if first else self.itl).observe(seconds)
+        (self.vllm_ttft if first else self.vllm_itl).observe(seconds)
 
     def render(self, stats: dict[str, Any]) -> str:
         self.running.set(stats["running"])
         self.waiting.set(stats["waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
+        for name, key in (("num_requests_running", "running"),
+                          ("num_requests_waiting", "waiting"),
+                          ("kv_cache_usage_perc", "kv_cache_usage")):  # fmt: skip
+            self.vllm[name].labels(model_name=self.model_name).set(stats[key])
         return generate_latest(self.registry).decode()

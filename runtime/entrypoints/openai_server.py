@@ -115,6 +115,7 @@ def build_app(
     if tool_call_parser not in (None, *tool_calls.PARSERS):
         raise ValueError(f"tool call parser {tool_call_parser!r}: one of {tool_calls.PARSERS}")
     server.tool_parser = tool_call_parser
+    server.metrics.model_name = served_model_name
     protected = ("/v1/", "/tokenize", "/detokenize")
 
     @app.middleware("http")
@@ -153,6 +154,10 @@ def build_app(
     @app.get("/health")
     async def health():
         return PlainTextResponse("")
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
 
     @app.get("/metrics")
     async def metrics():
@@ -496,6 +501,15 @@ def _chat_message(d: StreamDelta, tool_choice: Any) -> tuple[dict, str | None]:
         return message, d.finish_reason
     message["tool_calls"] = calls
     return message, "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("compilecore")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown"
 
 
 def _sse(payload: dict) -> str:

@@ -1,6 +1,7 @@
 """The OpenAI API's request bodies (the fields compilecore serves, with vLLM's extras) and
-how they become `SamplingParams`. Unknown fields are ignored, as OpenAI's and vLLM's
-servers do; a field with a bad value is a 400 naming it."""
+how they become `SamplingParams`. A field this server does not serve (OpenAI's `suffix`,
+`functions`, `audio`, ..., or a misspelt one) is a 400 naming it, not ignored in silence;
+a field with a bad value is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # No field is dropped in silence: one this server does not serve is a 400 naming it
+    # (OpenAI's bookkeeping fields below are accepted; they change no output).
+    model_config = ConfigDict(extra="forbid")
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     # OpenAI's spec allows null for n, stream and the penalties: null is the default.
     model: str | None = None
