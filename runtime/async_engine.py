@@ -51,6 +51,9 @@ class StreamDelta:
     logprobs: list[dict[int, Logprob]]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # On a sample's first delta, where its params ask for them: the prompt's logprobs
+    # (None for the first prompt token, which nothing predicts).
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -272,6 +275,8 @@ class AsyncLLM:
         if not new_tokens and not new_text and not finished:
             return None
         logprobs = req.output_logprobs[stream.sent_tokens[i] :]
+        first = stream.sent_tokens[i] == 0 and stream.sent_text[i] == 0
+        prompt_logprobs = list(req.prompt_logprobs) if first and req.prompt_logprobs else None
         stream.sent_tokens[i], stream.sent_text[i] = len(tokens), len(text)
         if finished:
             stream.done[i] = True
@@ -282,6 +287,7 @@ class AsyncLLM:
             logprobs=list(logprobs),
             finish_reason=req.finish_reason if finished else None,
             stop_reason=req.stop_reason if finished else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- state ----------------------------------------------------------------------------

@@ -613,3 +613,27 @@ def test_version_and_vllm_metric_names(server, client):
                  "vllm:kv_cache_usage_perc", "vllm:time_to_first_token_seconds_count"):  # fmt: skip
         assert name in text, name
     assert f'vllm:num_requests_running{{model_name="{MODEL}"}}' in text
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_returns_the_prompts_logprobs(client, oracle, max_tokens):
+    """lm-eval's loglikelihood request (`echo`, `logprobs=1`, `max_tokens=0`): the prompt
+    back with a logprob per token after the first (null for the first), equal to the
+    offline LLM's prompt logprobs; with max_tokens > 0 the generated tokens' follow."""
+    prompt = [5, 6, 7, 8, 9, 10]
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                    echo=True, logprobs=1, temperature=0)  # fmt: skip
+    choice = out.choices[0]
+    want = oracle.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )
+    expected = [next(iter(e.values())).logprob for e in want[0].prompt_logprobs[1:]]
+    got = choice.logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(prompt) + max_tokens
+    assert got[1 : len(prompt)] == pytest.approx(expected, abs=1e-5)
+    assert choice.text.startswith(oracle.tokenizer.decode(prompt))
+    assert out.usage.completion_tokens == max_tokens
+    if max_tokens == 0:
+        assert choice.text == oracle.tokenizer.decode(prompt)

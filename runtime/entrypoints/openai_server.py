@@ -250,7 +250,7 @@ class _Server:
             for i, t in enumerate(ids):
                 streams.append(self.engine.add(t, params, f"{prefix}-{i}"))
                 added.append(f"{prefix}-{i}")
-            return streams, [len(t) for t in ids]
+            return streams, ids
         except (ValueError, TypeError, QueueFullError) as e:
             for request_id in added:  # the queue filled up half-way: take back what went in
                 self.engine.abort(request_id)
@@ -275,20 +275,31 @@ class _Server:
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        params = self._params(body, body.max_tokens, body.logprobs)
+        # lm-eval's loglikelihood: echo the prompt with its logprobs and generate nothing.
+        echo_only = body.echo and body.max_tokens == 0
+        max_tokens = 1 if echo_only else body.max_tokens
+        params = self._params(body, max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:
+            params.prompt_logprobs = body.logprobs
         rid, kind = f"cmpl-{uuid.uuid4().hex}", "text_completion"
-        streams, lengths = self.start(prompts, params, rid, body.max_tokens)
-        n = params.n
-        texts = {i: (p if isinstance(p, str) else "") for i, p in enumerate(prompts)}
+        streams, ids = self.start(prompts, params, rid, max_tokens)
+        lengths, n, tokenizer = [len(t) for t in ids], params.n, self.engine.llm.tokenizer
+        texts = {
+            i: p if isinstance(p, str) else tokenizer.decode(ids[i]) for i, p in enumerate(prompts)
+        }
 
-        def choice(k: int, d: StreamDelta, text: str) -> dict:
-            lp = _completion_logprobs(d.logprobs, 0) if params.logprobs is not None else None
+        def choice(k: int, d: StreamDelta, text: str, i: int) -> dict:
+            entries = [] if echo_only else d.logprobs
+            if body.echo and d.prompt_logprobs:
+                first = tokenizer.decode(ids[i][:1])
+                entries = [first if e is None else e for e in d.prompt_logprobs] + entries
+            lp = _completion_logprobs(entries, 0) if params.logprobs is not None else None
             return {
                 "index": k,
-                "text": text,
+                "text": texts[i] if echo_only else text,
                 "logprobs": lp,
-                "finish_reason": d.finish_reason,
-                "stop_reason": d.stop_reason,
+                "finish_reason": "length" if echo_only else d.finish_reason,
+                "stop_reason": None if echo_only else d.stop_reason,
             }
 
         if body.stream:
@@ -298,11 +309,14 @@ class _Server:
                 echoed: set[tuple[int, int]] = set()
                 async with aclosing(self._merged(streams)) as merged:
                     async for i, d in merged:
-                        usage["completion_tokens"] += len(d.token_ids)
+                        if echo_only and (i, d.index) in echoed:
+                            continue  # the prompt went out with the first delta
+                        usage["completion_tokens"] += 0 if echo_only else len(d.token_ids)
                         first = (i, d.index) not in echoed
                         echoed.add((i, d.index))
                         text = (texts[i] if body.echo and first else "") + d.text
-                        yield _sse(self._envelope(rid, kind, [choice(i * n + d.index, d, text)]))
+                        chunk = choice(i * n + d.index, d, text, i)
+                        yield _sse(self._envelope(rid, kind, [chunk]))
                 for tail in self._stream_end(rid, kind, body, usage):
                     yield tail
 
@@ -310,9 +324,9 @@ class _Server:
         merged = await self._collect(streams)
         choices, completion_tokens = [], 0
         for (i, k), d in sorted(merged.items()):
-            completion_tokens += len(d.token_ids)
+            completion_tokens += 0 if echo_only else len(d.token_ids)
             text = (texts[i] if body.echo else "") + d.text
-            choices.append(choice(i * n + k, d, text))
+            choices.append(choice(i * n + k, d, text, i))
         usage = {"prompt_tokens": sum(lengths), "completion_tokens": completion_tokens}
         return self._envelope(rid, kind, choices, usage)
 
@@ -346,7 +360,8 @@ class _Server:
                 json=schema, disable_any_whitespace=self.disable_any_whitespace
             )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams, (prompt_tokens,) = self.start([prompt], params, rid, max_tokens)
+        streams, (prompt_ids,) = self.start([prompt], params, rid, max_tokens)
+        prompt_tokens = len(prompt_ids)
 
         def logprobs(d: StreamDelta) -> dict | None:
             return _chat_logprobs(d.logprobs, top) if top is not None else None
@@ -484,6 +499,7 @@ class _Server:
                     list(d.logprobs),
                     d.finish_reason,
                     d.stop_reason,
+                    d.prompt_logprobs,
                 )
             else:
                 prev.text += d.text
@@ -521,8 +537,17 @@ def _usage(u: dict) -> dict:
 
 
 def _completion_logprobs(entries: list, offset: int) -> dict:
+    """OpenAI's completion logprobs; an entry that is text is a token nothing predicted
+    (an echoed prompt's first): its logprob and top logprobs are null."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
+        if isinstance(entry, str):
+            tokens.append(entry)
+            token_logprobs.append(None)
+            top.append(None)
+            offsets.append(offset)
+            offset += len(entry)
+            continue
         chosen = next(iter(entry.values()))  # the sampled token comes first
         tokens.append(chosen.decoded_token or "")
         token_logprobs.append(chosen.logprob)
