@@ -194,6 +194,9 @@ class LLMEngine:
         params = req.sampling_params
         n_out = len(req.output_token_ids)
         may_stop = n_out >= params.min_tokens
+        # vLLM checks stop strings only once the output is longer than min_tokens (stop
+        # tokens from min_tokens on, masked before): a string never ends it one token early.
+        may_stop_str = n_out > params.min_tokens
         detokenizer = self.detokenizers[req.request_id]
         reason: str | None = None
         if may_stop and not params.ignore_eos and token in self.eos_token_ids:
@@ -202,7 +205,7 @@ class LLMEngine:
             reason, req.stop_reason = "stop", token
         # A stop token's text stays out of the output unless asked for (vLLM).
         if reason is None or params.include_stop_str_in_output:
-            stop_str = detokenizer.append(token, check_stop=may_stop)
+            stop_str = detokenizer.append(token, check_stop=may_stop_str)
             if stop_str is not None and reason is None:
                 reason, req.stop_reason = "stop", stop_str
         if reason is None and (
@@ -213,7 +216,7 @@ class LLMEngine:
         if reason is None:
             return False
         if not isinstance(req.stop_reason, str):  # text held back may still end in a stop
-            flushed = detokenizer.flush(check_stop=may_stop)
+            flushed = detokenizer.flush(check_stop=may_stop_str)
             if flushed is not None:
                 reason, req.stop_reason = "stop", flushed
         self._finish(req, reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -434,7 +435,7 @@ def build_engine_config(
     `disable_log_stats` are accepted and change nothing (a preempted request is recomputed,
     as in vLLM V1, and the offline LLM logs no stats)."""
     _check_vllm_only_args(kv_cache_dtype, quantization, swap_space, disable_log_stats)
-    model_dir = Path(model) if model is not None else ensure_default_model()
+    model_dir = resolve_model_dir(model) if model is not None else ensure_default_model()
     hf_config = load_hf_config(model_dir, trust_remote_code=trust_remote_code)
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     try:
@@ -560,3 +561,23 @@ def _load_generation_config(path: Path) -> Any:
         return GenerationConfig.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {path / 'generation_config.json'}: {e}") from e
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """A model folder, or a Hugging Face id ("org/name") found in the local Hugging Face
+    cache (offline: this engine downloads nothing); ModelLoadError says where it looked."""
+    path = Path(model)
+    name = str(model)
+    if path.exists() or name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return path
+    from huggingface_hub import constants, snapshot_download
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read now, not at import
+    try:
+        return Path(snapshot_download(name, local_files_only=True, cache_dir=cache))
+    except Exception as e:  # not cached (or not a repo id at all)
+        raise ModelLoadError(
+            f"{name!r} is neither a folder nor a model in the local Hugging Face cache "
+            f"({cache}; set HF_HUB_CACHE to look elsewhere): download it "
+            f"first (huggingface-cli download {name}) or pass its folder ({type(e).__name__})"
+        ) from None

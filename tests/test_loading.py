@@ -99,3 +99,25 @@ def test_dtype_chosen_at_load(checkpoint):
     # The rotary cache stays fp32 (it is derived, not loaded).
     rope = model.model.layers[0].self_attn.rotary_emb
     assert rope.cos_sin_cache.dtype == torch.float32
+
+
+def test_a_hugging_face_id_resolves_from_the_local_cache(tiny_llama, tmp_path, monkeypatch):
+    """LLM("org/name") as in vLLM, offline: the snapshot the cache's refs/main names (the
+    layout `huggingface-cli download` leaves); an id the cache lacks says where it looked."""
+    import shutil
+
+    from runtime import LLM, SamplingParams
+
+    hub = tmp_path / "hub"
+    repo = hub / "models--tiny-org--tiny-llama"
+    snapshot = repo / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_llama[0], snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    llm = LLM("tiny-org/tiny-llama", enforce_eager=True)
+    assert llm.engine_config.model_config.model == str(snapshot)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    with pytest.raises(ModelLoadError, match=f"local Hugging Face cache .{hub}"):
+        LLM("tiny-org/not-downloaded", enforce_eager=True)

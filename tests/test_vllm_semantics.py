@@ -188,6 +188,19 @@ def test_min_tokens_masks_stop_tokens(llm, reference):
     assert first not in out.token_ids[:3]  # masked to -inf, not sampled and ignored
 
 
+def test_a_stop_string_counts_only_past_min_tokens_like_vllm(llm, reference):
+    """vLLM checks stop strings once the output is longer than min_tokens (stop tokens
+    from min_tokens on): a string completed by the min_tokens-th token does not stop it."""
+    text = llm.tokenizer.decode(reference[:3])
+    stop = text[-2:] if len(text) >= 2 else text
+    base = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop])
+    early = llm.generate([PROMPT], base, use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) <= 3
+    late = SamplingParams(**{**_fields(base), "min_tokens": len(early.token_ids)})
+    out = llm.generate([PROMPT], late, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > len(early.token_ids)
+
+
 def test_stop_token_text_is_left_out_unless_asked(llm, reference):
     stop = reference[2]
     params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop])
