@@ -3,6 +3,7 @@ and the CLI. `from runtime import LLM, SamplingParams`."""
 
 from runtime.llm import LLM
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "RequestOutputKind",
+           "SamplingParams"]  # fmt: skip

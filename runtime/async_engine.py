@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.llm import LLM, PromptType
-from runtime.outputs import Logprob
+from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.request import Request
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("compilecore")
 
@@ -121,11 +121,31 @@ class AsyncLLM:
 
     async def generate(
         self, prompt: PromptType | list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[StreamDelta]:
-        """Deltas as tokens arrive. Cancelling the consumer aborts the request and frees
-        its KV blocks; a failed step raises RequestFailedError here."""
-        async for delta in self.add(prompt, params, request_id):
-            yield delta
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's `AsyncLLM.generate`: `RequestOutput`s as tokens arrive, as
+        `params.output_kind` says (everything so far, only what is new, or one at the end).
+        Cancelling the consumer aborts the request and frees its KV blocks; a failed step
+        raises RequestFailedError here."""
+        tokens = self.prepare(prompt, params)
+        kind = params.output_kind
+        outputs = [CompletionOutput(i, "", [], None, []) for i in range(params.n)]
+        text = prompt if isinstance(prompt, str) else None
+        async for d in self._iterate(request_id, self._add(request_id, tokens, params)):
+            whole = outputs[d.index]
+            whole.text += d.text
+            whole.token_ids += d.token_ids
+            whole.logprobs += d.logprobs
+            whole.finish_reason, whole.stop_reason = d.finish_reason, d.stop_reason
+            finished = all(o.finish_reason is not None for o in outputs)
+            if kind is RequestOutputKind.FINAL_ONLY and not finished:
+                continue
+            if kind is RequestOutputKind.DELTA:
+                new = CompletionOutput(d.index, d.text, list(d.token_ids), None,
+                                       list(d.logprobs) or None, d.finish_reason,
+                                       d.stop_reason)  # fmt: skip
+                yield RequestOutput(request_id, text, tokens, [new], finished)
+            else:
+                yield RequestOutput(request_id, text, tokens, [_copy(o) for o in outputs], finished)
 
     def add(self, prompt: PromptType | list[int], params: SamplingParams, request_id: str):
         """Queue a request now (ValueError, TypeError or QueueFullError before anything
@@ -308,3 +328,11 @@ class AsyncLLM:
 def _deliver(items: list) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+def _copy(out: CompletionOutput) -> CompletionOutput:
+    """An output as it is now (the one being filled keeps growing)."""
+    logprobs = list(out.logprobs) or None  # none asked: empty
+    cumulative = sum(lp[t].logprob for lp, t in zip(logprobs, out.token_ids)) if logprobs else None
+    return CompletionOutput(out.index, out.text, list(out.token_ids), cumulative, logprobs,
+                            out.finish_reason, out.stop_reason)  # fmt: skip

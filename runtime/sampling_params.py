@@ -4,6 +4,7 @@ ValueError naming the parameter, at construction, before anything is queued."""
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass, field
 from numbers import Real
@@ -22,6 +23,15 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what `AsyncLLM.generate` yields as tokens arrive. CUMULATIVE: everything so
+    far; DELTA: only what is new; FINAL_ONLY: one output when the request ends."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -61,6 +71,7 @@ class SamplingParams:
     # `guided_decoding` is its older one): runtime/structured_output.py.
     structured_outputs: StructuredOutputsParams | dict | None = None
     guided_decoding: StructuredOutputsParams | dict | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +152,8 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.from_any(self.structured_outputs)
         except ValueError as e:
             raise ValueError(f"structured_outputs must be valid: {e}") from None
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "a RequestOutputKind")
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
             fail("best_of", f"None or n ({self.n}): more candidates than returned samples "
                  "is not supported (nor in vLLM's V1 engine)")  # fmt: skip

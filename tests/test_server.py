@@ -637,3 +637,33 @@ def test_echo_returns_the_prompts_logprobs(client, oracle, max_tokens):
     assert out.usage.completion_tokens == max_tokens
     if max_tokens == 0:
         assert choice.text == oracle.tokenizer.decode(prompt)
+
+
+@pytest.mark.parametrize("kind", ["CUMULATIVE", "DELTA", "FINAL_ONLY"])
+def test_async_generate_yields_request_outputs_by_output_kind(server, oracle, kind):
+    """vLLM's AsyncLLM.generate: RequestOutputs, everything so far (CUMULATIVE), only the
+    new part (DELTA, which joins to the whole) or one at the end (FINAL_ONLY); n=2, the
+    greedy text equal to the offline LLM's."""
+    from runtime import RequestOutputKind
+
+    _, engine = server
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2,
+                            output_kind=RequestOutputKind[kind])  # fmt: skip
+
+    async def collect():
+        return [o async for o in engine.generate("The quick brown fox", params, f"gen-{kind}")]
+
+    outs = asyncio.run(collect())
+    want = _greedy_text(oracle, "The quick brown fox", 10)
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    if kind == "FINAL_ONLY":
+        assert len(outs) == 1
+    if kind == "DELTA":
+        for index in (0, 1):
+            parts = [c for o in outs for c in o.outputs if c.index == index]
+            assert "".join(c.text for c in parts) == want
+            assert sum(len(c.token_ids) for c in parts) == 10
+    else:
+        assert [c.text for c in outs[-1].outputs] == [want, want]
+        assert all(len(c.token_ids) == 10 for c in outs[-1].outputs)
+    _idle(engine)
