@@ -22,6 +22,7 @@ import uvicorn
 from runtime import LLM, SamplingParams
 from runtime.async_engine import AsyncLLM
 from runtime.entrypoints.openai_server import build_app
+from tests.test_structured_outputs import SCHEMAS
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -437,14 +438,22 @@ SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"typ
           "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_response_format_json_schema(client, stream):
-    """OpenAI's response_format reaches the grammar: every choice validates, n > 1,
-    streamed or not."""
-    response_format = {"type": "json_schema", "json_schema": {"name": "ab", "schema": SCHEMA}}
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("route", ["response_format", "structured_outputs"])
+@pytest.mark.parametrize("schema", range(len(SCHEMAS)))
+def test_json_schemas_through_the_server(client, schema, route, stream):
+    """Each of the 20 schemas through OpenAI's response_format and vLLM's
+    structured_outputs: every choice (n=2, sampled) parses and validates, whole or
+    streamed."""
+    spec = SCHEMAS[schema]
+    if route == "response_format":
+        extra = {"response_format": {"type": "json_schema",
+                                     "json_schema": {"name": "s", "schema": spec}}}  # fmt: skip
+    else:
+        extra = {"structured_outputs": {"json": spec}}
     messages = [{"role": "user", "content": "Give me JSON"}]
-    kwargs = dict(model=MODEL, messages=messages, response_format=response_format, n=2,
-                  max_tokens=60, temperature=1.0, seed=1)  # fmt: skip
+    kwargs = dict(model=MODEL, messages=messages, n=2, max_tokens=80, temperature=1.0,
+                  seed=schema, extra_body=extra)  # fmt: skip
     if not stream:
         texts = [c.message.content for c in client.chat.completions.create(**kwargs).choices]
     else:
@@ -453,7 +462,7 @@ def test_response_format_json_schema(client, stream):
             for c in chunk.choices:
                 texts[c.index] += c.delta.content or ""
     for text in texts:
-        jsonschema.validate(json.loads(text), SCHEMA)
+        jsonschema.validate(json.loads(text), spec)
 
 
 @pytest.mark.parametrize(

@@ -17,19 +17,39 @@ from runtime import LLM, SamplingParams
 from runtime.structured_output import StructuredOutputsParams
 
 PROMPTS = ["The quick brown fox", "Compilers are", "héllo 🙂 wörld"]
+
+
+def _obj(properties: dict, required: list[str] | None = None) -> dict:
+    return {"type": "object", "properties": properties, "additionalProperties": False,
+            "required": list(properties) if required is None else required}  # fmt: skip
+
+
+ENUM, FLAG = {"enum": ["x", "y", "z"]}, {"type": "boolean"}
+SMALL = {"type": "integer", "minimum": 0, "maximum": 99}
+CODE = {"type": "string", "pattern": "^[A-C][0-9]$"}
 SCHEMAS = [
-    {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "boolean"}},
-     "required": ["a", "b"], "additionalProperties": False},
-    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
-     "required": ["n"], "additionalProperties": False},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["p", "q"]},
-                                               "maxItems": 3}},
-     "required": ["tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"inner": {"type": "object", "properties": {
-        "ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}},
-     "required": ["inner"], "additionalProperties": False},
-    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-C][0-9]$"}},
-     "required": ["code"], "additionalProperties": False},
+    _obj({"a": ENUM, "b": FLAG}),
+    _obj({"n": SMALL}),
+    _obj({"tags": {"type": "array", "items": {"enum": ["p", "q"]}, "maxItems": 3}}),
+    _obj({"inner": _obj({"ok": FLAG})}),
+    _obj({"code": CODE}),
+    _obj({"a": ENUM, "b": FLAG}, required=["a"]),  # an optional field
+    _obj({"deep": _obj({"deeper": _obj({"v": SMALL})})}),
+    _obj({"pair": {"type": "array", "items": SMALL, "minItems": 2, "maxItems": 2}}),
+    _obj({"points": {"type": "array", "items": _obj({"x": SMALL, "y": SMALL}), "maxItems": 2}}),
+    _obj({"kind": {"const": "circle"}, "r": SMALL}),
+    _obj({"v": {"anyOf": [SMALL, FLAG]}}),
+    _obj({"maybe": {"anyOf": [ENUM, {"type": "null"}]}}),
+    _obj({"id": {"type": "string", "pattern": "^[a-f0-9]{4}$"}, "on": FLAG}),
+    _obj({"word": {"type": "string", "pattern": "^[a-z]{1,3}$"}}),
+    _obj({"grid": {"type": "array", "items": {"type": "array", "items": FLAG, "maxItems": 2},
+                   "maxItems": 2}}),
+    _obj({"a": ENUM, "b": ENUM, "c": ENUM, "d": FLAG}),
+    _obj({"status": {"enum": ["ok", "error", "pending"]}, "code": SMALL}),
+    {"type": "array", "items": ENUM, "minItems": 1, "maxItems": 3},  # not an object at top
+    _obj({"user": _obj({"name": {"enum": ["ann", "bob"]}, "age": SMALL,
+                        "roles": {"type": "array", "items": ENUM, "maxItems": 2}})}),
+    _obj({"ratio": {"type": "number", "minimum": 0, "maximum": 1}}, required=[]),
 ]  # fmt: skip
 
 
