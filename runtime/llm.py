@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import itertools
 import os
 import weakref
@@ -79,6 +81,7 @@ class LLM:
         if not isinstance(max_logprobs, int) or max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
         self.max_logprobs = max_logprobs
+        _check_engine_arg_names(engine_args)
         self.engine_config = build_engine_config(model, **engine_args)
         model_dir = self.engine_config.model_config.model
         backend = EXECUTOR_BACKENDS[distributed_executor_backend]
@@ -483,6 +486,43 @@ def build_engine_config(
         compilation_config=compilation,
         device=device_obj,
     )
+
+
+# vLLM's engine arguments that have no counterpart here: named as such (not a TypeError,
+# and never ignored in silence).
+# fmt: off
+_VLLM_ENGINE_ARGS = frozenset({
+    "revision", "code_revision", "tokenizer_revision", "download_dir", "load_format",
+    "config_format", "hf_config_path", "hf_overrides", "max_seq_len_to_capture",
+    "disable_custom_all_reduce", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "lora_dtype", "fully_sharded_loras", "speculative_config", "num_scheduler_steps",
+    "cpu_offload_gb", "enable_expert_parallel", "data_parallel_size", "limit_mm_per_prompt",
+    "mm_processor_kwargs", "disable_async_output_proc", "override_generation_config",
+    "enable_sleep_mode", "calculate_kv_scales", "task", "runner", "num_gpu_blocks_override",
+    "worker_cls", "async_scheduling", "enable_log_requests", "guided_decoding_backend",
+    "structured_outputs_config", "reasoning_parser", "logits_processors", "pooler_config",
+    "max_num_partial_prefills", "long_prefill_token_threshold", "scheduling_policy",
+    "preemption_mode", "rope_scaling", "rope_theta", "disable_sliding_window",
+    "served_model_name",
+})
+# fmt: on
+
+
+def _check_engine_arg_names(engine_args: dict[str, Any]) -> None:
+    """A vLLM engine argument this engine lacks is a ValueError naming it; a name that is
+    nobody's is a TypeError with the closest known names."""
+    known = set(inspect.signature(build_engine_config).parameters) - {"model"}
+    for name in engine_args:
+        if name in known:
+            continue
+        if name in _VLLM_ENGINE_ARGS:
+            raise ValueError(
+                f"vLLM's engine argument {name!r} has no counterpart in compilecore: drop it "
+                "(README, 'vLLM compatibility')"
+            )
+        close = difflib.get_close_matches(name, sorted(known | _VLLM_ENGINE_ARGS), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise TypeError(f"LLM() got an unexpected engine argument {name!r}{hint}")
 
 
 def _check_vllm_only_args(

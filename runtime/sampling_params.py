@@ -104,6 +104,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 fail(name, "an integer >= 0 or None")
+        if self.seed == -1 and _is_int(self.seed):  # vLLM's spelling of "no seed"
+            self.seed = None
         if self.seed is not None:
             last = self.seed + self.n - 1 if _is_int(self.seed) else None
             if last is None or not (SEED_RANGE[0] <= self.seed and last < SEED_RANGE[1]):

@@ -78,6 +78,15 @@ def test_bad_values_name_the_field(kwargs, name):
         SamplingParams(**kwargs)
 
 
+def test_unknown_engine_arguments_are_named(tiny_llama):
+    """A vLLM engine argument without a counterpart here is a ValueError naming it; a
+    misspelt one a TypeError with the closest names (vLLM's LLM takes any EngineArgs)."""
+    with pytest.raises(ValueError, match="'enable_lora' has no counterpart"):
+        LLM(str(tiny_llama[0]), enforce_eager=True, enable_lora=True)
+    with pytest.raises(TypeError, match="did you mean max_num_seqs"):
+        LLM(str(tiny_llama[0]), enforce_eager=True, max_num_seq=4)
+
+
 def test_vllm_spellings_frameworks_pass():
     """best_of equal to n (LangChain and others pass best_of=1), a repetition penalty above
     2 (vLLM bounds it only below), and clone() with lists of its own."""
@@ -88,6 +97,7 @@ def test_vllm_spellings_frameworks_pass():
     twin.logit_bias[1] = 5.0
     assert params.logit_bias == {1: 2.0} and twin.stop == ["x"] and twin.best_of == 2
     assert params.for_sample(1).best_of is None
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
 
 
 def test_logit_bias_keys_from_json_and_clamped():
