@@ -165,7 +165,7 @@ class LLMEngine:
         req = rows.request
         if not req.prompt_logprobs:
             req.prompt_logprobs.append(None)  # nothing predicts the first prompt token
-        n = req.sampling_params.prompt_logprobs
+        n = req.sampling_params.top_logprobs("prompt_logprobs", logits.shape[-1])
         logprobs = logits.float().log_softmax(dim=-1)
         nxt = req.prompt_token_ids[rows.first + 1 : rows.first + 1 + rows.count]
         top = min(n, logprobs.shape[-1])  # beyond the vocabulary: every token

@@ -78,8 +78,10 @@ class LLM:
                 f"distributed_executor_backend={distributed_executor_backend!r} is not supported"
                 f"; use one of {sorted(k for k in EXECUTOR_BACKENDS if k)} (or None)"
             )
-        if not isinstance(max_logprobs, int) or max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0, got {max_logprobs!r}")
+        if not isinstance(max_logprobs, int) or max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs must be an integer >= 0 or -1 (no cap), got {max_logprobs!r}"
+            )
         self.max_logprobs = max_logprobs
         _check_engine_arg_names(engine_args)
         self.engine_config = build_engine_config(model, **engine_args)
@@ -294,14 +296,15 @@ class LLM:
 
     def _validate_params(self, index: int, sp: SamplingParams) -> None:
         where = f"sampling_params for prompt {index}"
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(sp, name)
-            if value is not None and value > self.max_logprobs:
-                raise ValueError(
-                    f"{where}: {name}={value} exceeds max_logprobs={self.max_logprobs} "
-                    "(raise LLM(max_logprobs=...) to allow more)"
-                )
         vocab = self.engine_config.model_config.hf_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = sp.top_logprobs(name, vocab)
+            if value is not None and self.max_logprobs != -1 and value > self.max_logprobs:
+                every = f" (every token: {value})" if getattr(sp, name) == -1 else ""
+                raise ValueError(
+                    f"{where}: {name}={getattr(sp, name)}{every} exceeds max_logprobs="
+                    f"{self.max_logprobs} (raise LLM(max_logprobs=...), -1 for no cap)"
+                )
         bad = next((t for t in sp.token_ids_used() if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")

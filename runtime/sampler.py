@@ -216,7 +216,7 @@ class Sampler:
         logprobs = [
             None
             if p.logprobs is None or tokens[i] == NO_TOKEN
-            else row_logprobs(raw[i], tokens[i], p.logprobs, scratch)
+            else row_logprobs(raw[i], tokens[i], p.top_logprobs("logprobs", raw.shape[-1]), scratch)
             for i, p in enumerate(params)
         ]
         return SamplerOutput(tokens, logprobs)
@@ -274,7 +274,7 @@ class Sampler:
     def _logprobs(
         logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
     ) -> list[dict[int, tuple[float, int]] | None]:
-        wanted = [p.logprobs for p in params]
+        wanted = [p.top_logprobs("logprobs", logits.shape[-1]) for p in params]
         if all(n is None for n in wanted):
             return [None] * len(params)
         logprobs = logits.log_softmax(dim=-1)

@@ -102,8 +102,8 @@ class SamplingParams:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                fail(name, "an integer >= 0 or None")
+            if value is not None and (not _is_int(value) or value < -1):
+                fail(name, "an integer >= 0, -1 (every token) or None")
         if self.seed == -1 and _is_int(self.seed):  # vLLM's spelling of "no seed"
             self.seed = None
         if self.seed is not None:
@@ -159,6 +159,12 @@ class SamplingParams:
         if self.best_of is not None and (not _is_int(self.best_of) or self.best_of != self.n):
             fail("best_of", f"None or n ({self.n}): more candidates than returned samples "
                  "is not supported (nor in vLLM's V1 engine)")  # fmt: skip
+
+    def top_logprobs(self, name: str, vocab: int) -> int | None:
+        """How many top logprobs `logprobs` or `prompt_logprobs` asks for: -1 is every
+        token of the vocabulary (vLLM's V1)."""
+        value = getattr(self, name)
+        return vocab if value == -1 else value
 
     @property
     def greedy(self) -> bool:

@@ -36,7 +36,7 @@ from runtime.sampler import Sampler, filter_logits
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"n": 0}, "n"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),

@@ -67,7 +67,7 @@ def _idle(llm: LLM) -> None:
         ({"logit_bias": {3: math.nan}}, "logit_bias"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"bad_words": [" "]}, "bad_words"),
-        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": -2}, "prompt_logprobs"),
         ({"n": 2.0}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"repetition_penalty": math.inf}, "repetition_penalty"),
@@ -100,6 +100,19 @@ def test_vllm_spellings_frameworks_pass():
     assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
 
 
+def test_logprobs_minus_one_is_every_token(tiny_llama, llm):
+    """vLLM's V1: logprobs=-1 (and prompt_logprobs=-1) return every token's logprob, under
+    max_logprobs=-1; with a cap below the vocabulary it is a ValueError naming both."""
+    params = SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1)
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(every token: 320\) exceeds"):
+        LLM(str(tiny_llama[0]), enforce_eager=True).generate([PROMPT], params)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]  # this LLM: a cap of 10**6
+    assert all(len(entry) == 320 for entry in out.outputs[0].logprobs)
+    assert all(len(entry) == 320 for entry in out.prompt_logprobs[1:])
+    total = sum(math.exp(lp.logprob) for lp in out.outputs[0].logprobs[0].values())
+    assert total == pytest.approx(1.0, abs=1e-4)
+
+
 def test_logit_bias_keys_from_json_and_clamped():
     params = SamplingParams(logit_bias={"7": 250.0, 3: -1.5})
     assert params.logit_bias == {7: 100.0, 3: -1.5}
@@ -127,7 +140,7 @@ def test_llm_checks_params_before_queuing(tiny_llama, params, match):
         ({"max_model_len": 0}, "max_model_len must be >= 1"),
         ({"max_model_len": -4}, "max_model_len must be >= 1"),
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
-        ({"max_logprobs": -1}, "max_logprobs"),
+        ({"max_logprobs": -2}, "max_logprobs"),
         ({"compilation_config": {"cudagraph_capture_sizes": [1, 4096]}}, r"\[4096\] exceed"),
     ],
 )
