@@ -676,3 +676,27 @@ def test_async_generate_yields_request_outputs_by_output_kind(server, oracle, ki
         assert [c.text for c in outs[-1].outputs] == [want, want]
         assert all(len(c.token_ids) == 10 for c in outs[-1].outputs)
     _idle(engine)
+
+
+def test_auto_tool_choice_through_a_server_with_the_hermes_parser(server):
+    """`--enable-auto-tool-choice --tool-call-parser hermes`: a Hermes <tool_call> block in
+    the output becomes tool_calls (a regex makes this random model write one); text
+    without one stays content."""
+    _, engine = server
+    with _serving(build_app(engine, MODEL, api_key=KEY, tool_call_parser="hermes")) as base:
+        auto = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+        call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+        messages = [{"role": "user", "content": "Weather in Oslo?"}]
+        out = auto.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], max_tokens=80, temperature=0,
+            extra_body={"guided_regex": re.escape(call)},
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.tool_calls[0].function.name == "get_weather"
+        assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Oslo"}
+        plain = auto.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], max_tokens=5, temperature=0
+        )
+        assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+    _idle(engine)
