@@ -41,3 +41,14 @@ def test_dry_run_passes_every_step(tmp_path):
 def test_without_a_device_it_says_so(tmp_path):
     res = _run(str(tmp_path))
     assert res.returncode == 2 and "no CUDA device" in res.stderr
+
+
+def test_the_device_runs_only_the_gpu_marked_test_files():
+    """On a device the GPU-test step collects the files with GPU-marked tests, not the
+    whole suite (its minutes are few)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_check
+
+    files = gpu_check.gpu_test_files()
+    assert "tests/test_cuda_graphs.py" in files and "tests/test_sampling.py" not in files
+    assert all("mark.gpu" in (SCRIPT.parent.parent / f).read_text() for f in files)
