@@ -110,12 +110,11 @@ def build_app(
     `chat_template` still wins. `disable_any_whitespace`: structured JSON outputs without
     free whitespace (vLLM's `--structured-outputs-config` option of that name)."""
     app = FastAPI(title="compilecore", docs_url=None, redoc_url=None)
-    server = _Server(engine, served_model_name, chat_template)
-    server.disable_any_whitespace = disable_any_whitespace
     if tool_call_parser not in (None, *tool_calls.PARSERS):
         raise ValueError(f"tool call parser {tool_call_parser!r}: one of {tool_calls.PARSERS}")
-    server.tool_parser = tool_call_parser
-    server.metrics.model_name = served_model_name
+    server = _Server(
+        engine, served_model_name, chat_template, disable_any_whitespace, tool_call_parser
+    )
     protected = ("/v1/", "/tokenize", "/detokenize")
 
     @app.middleware("http")
@@ -201,14 +200,22 @@ def build_app(
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLM, served_model_name: str, chat_template: str | None):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        chat_template: str | None,
+        disable_any_whitespace: bool = False,
+        tool_parser: str | None = None,
+    ):
         self.engine, self.model_name = engine, served_model_name
         self.chat_template = chat_template
         self.created = int(time.time())
         self.max_model_len = engine.llm.engine_config.model_config.max_model_len
         self.metrics = ServerMetrics()
-        self.disable_any_whitespace = False
-        self.tool_parser: str | None = None  # "auto" tool choice parses calls with it
+        self.metrics.model_name = served_model_name
+        self.disable_any_whitespace = disable_any_whitespace
+        self.tool_parser = tool_parser  # "auto" tool choice parses calls with it
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
