@@ -189,6 +189,9 @@ class CompilationConfig:
     inductor_options: dict[str, Any] = field(default_factory=dict)
     # Pass switches: a passes.config.PassConfig or a dict of its fields.
     passes: Any = None
+    # False: Inductor's generated code only on CPU (no pass emits our C kernels' ops and
+    # the LM head is a compiled loop), the compiler's own number beside the native one.
+    native_kernels: bool = True
     # User passes, run after the built-in fusions: passes.GraphPass / PatternPass
     # instances or subclasses, functions graph -> int, or "module:attribute" paths.
     custom_passes: list[Any] = field(default_factory=list)
@@ -197,6 +200,8 @@ class CompilationConfig:
 
     def __post_init__(self) -> None:
         self.passes = PassConfig.from_any(self.passes)
+        if not self.native_kernels:
+            self.passes.native_kernels = False
         self.custom_passes = resolve_custom_passes(self.custom_passes)
         if self.mode not in ("none", "piecewise"):
             raise ValueError(

@@ -132,6 +132,7 @@ def _executor(root: Path) -> Any:
 class _Capture:
     def __init__(self) -> None:
         self.calls: list[tuple[int, list[int], int]] = []
+        self.described: list[tuple[str, int, list[str]]] = []  # (what, team, argument shapes)
         self.keep: list[Any] = []
         self.checks: list[Callable[[], str | None]] = []
         self.failure: str | None = None
@@ -162,9 +163,15 @@ class _Capture:
         if len(values) > MAX_ARGS:
             self.fail(f"{what} takes {len(values)} arguments (at most {MAX_ARGS})")
         self.calls.append((address, values, team))
+        shapes = [_shape(a) for a in args if isinstance(a, torch.Tensor)]
+        self.described.append((what, team, shapes))
 
     def fail(self, reason: str) -> None:
         self.failure = self.failure or reason
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "x".join(map(str, t.shape)) + " " + str(t.dtype).removeprefix("torch.")
 
 
 def _is_inductor_kernel(value: Any) -> bool:
@@ -187,7 +194,8 @@ class _KernelRecorder:
         self.address = _kernel_address(kernel.__self__.__file__)
 
     def __call__(self, *args: Any) -> Any:
-        self.capture.record(self.address, args, "an Inductor kernel")
+        name = Path(self.kernel.__self__.__file__).stem[:12]
+        self.capture.record(self.address, args, f"Inductor kernel {name}")
         self.capture.kernel_calls += 1
         return self.kernel(*args)
 
@@ -228,7 +236,16 @@ class _RefuseCompute(TorchDispatchMode):
         namespace = getattr(func, "namespace", "aten")
         name = func.__name__.split(".")[0]
         if namespace not in ("aten", "prims"):
-            if len(self.capture.calls) == before:
+            entry = native.native_entry(func._schema.name)
+            if entry is not None:  # the op's declared C call for these arguments
+                rest = func._schema.arguments[len(args) :]
+                full = (*args, *(kwargs[a.name] for a in rest if a.name in (kwargs or {})))
+                call = entry(full, out)
+                if call is None:
+                    self.capture.fail(f"{func} ran its torch reference, not its C kernel")
+                else:
+                    self.capture.record(call.address, call.args, call.what, team=call.team)
+            elif len(self.capture.calls) == before:
                 self.capture.fail(f"{func} ran without recording a native call")
         elif not (getattr(func, "is_view", False) or name in self.ALLOCATE):
             self.capture.fail(f"{func} computes outside a recorded kernel")
@@ -284,7 +301,9 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
         cap.fail("nothing was recorded")
     if cap.failure is not None:
         raise CpuGraphUnsupported(cap.failure, transient)
-    return result, CpuGraph(cap.calls, cap.keep, result, _executor(cache_root), cap.checks)
+    graph = CpuGraph(cap.calls, cap.keep, result, _executor(cache_root), cap.checks)
+    graph.described = cap.described
+    return result, graph
 
 
 class CpuGraph:
@@ -307,6 +326,20 @@ class CpuGraph:
         self.keep, self.outputs, self._run = keep, outputs, run
         self.checks = tuple(checks)
         self._program_ptr = self.program.data_ptr()
+        self.described: list[tuple[str, int, list[str]]] = []  # per call, set by capture
+
+    def program_text(self) -> str:
+        """The recorded program, one line per call: its place, the parallel region it runs
+        in (a run of team calls of one team size, a barrier after each call) or none, what
+        recorded it and the shapes of its tensor arguments."""
+        lines, region, last_team = [], 0, 0
+        for i, (what, team, shapes) in enumerate(self.described):
+            if team and team != last_team:
+                region += 1
+            last_team = team
+            where = f"region {region} (team of {team}, barrier after)" if team else "plain call"
+            lines.append(f"{i:4d}  {where:<34}  {what}  ({', '.join(shapes)})")
+        return "\n".join(lines) + "\n"
 
     def replay(self) -> Any:
         self._run(self._program_ptr, self.num_calls)

@@ -399,8 +399,9 @@ def _small_batch_gemv(engine_config: EngineConfig) -> Callable | None:
     """Compiled engines on CPU read the LM head at batch 1 through our C loop in bf16 where
     the CPU has AVX512-BF16 (recorded into CPU graphs like any native op), else through a
     compiled reduction loop."""
-    if engine_config.device.type != "cpu" or engine_config.compilation_config.mode == "none":
+    cc = engine_config.compilation_config
+    if engine_config.device.type != "cpu" or cc.mode == "none":
         return None
-    if gemv.own_kernel_available(engine_config.model_config.dtype):
+    if cc.passes.native_kernels and gemv.own_kernel_available(engine_config.model_config.dtype):
         return torch.ops.compilecore.gemv_logits
     return StaticShapeFunction(gemv.gemv_logits_reduction, engine_config)

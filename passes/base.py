@@ -266,3 +266,15 @@ def trace_pattern(*args: Any, **kwargs: Any) -> fx.GraphModule:
         raise RuntimeError(f"pattern does not apply to these shapes: {e}") from e
     view_to_reshape(gm)
     return gm
+
+
+def dtype_check(argument: str, dtypes: Sequence[torch.dtype] | None) -> Callable[[Any], bool]:
+    """An `extra_check` that takes a match only where `argument`'s dtype is one of
+    `dtypes` (any dtype for None): for passes whose op has a kernel only for some dtypes
+    (a pattern's converts do not name the dtype they convert to)."""
+
+    def check(match: Any) -> bool:
+        value = match.kwargs[argument].meta.get("val")
+        return dtypes is None or (isinstance(value, torch.Tensor) and value.dtype in dtypes)
+
+    return check

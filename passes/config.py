@@ -6,26 +6,35 @@ import dataclasses
 from dataclasses import dataclass, field
 
 # On by default only where a benchmark showed the fused op is not slower than Inductor's
-# own fusion on that device (benchmarks/pass_ablation.py). On CPU the fused ops run their
-# torch reference as an opaque call, which Inductor's generated C++ loops beat.
+# own fusion on that device (benchmarks/pass_ablation.py, NOTES section 44). On CPU the
+# mission's fusions and the batch-1 product make the fast path: each fused op has a C
+# kernel that a CPU graph replays in one parallel region with the products.
 DEVICE_DEFAULTS = {
     "cpu": {
-        "fuse_add_rms_norm": False,
-        "fuse_qkv_rope": False,
+        "fuse_add_rms_norm": True,
+        "fuse_qkv_rope": True,
+        "fuse_silu_and_mul": True,
         "fuse_allreduce_rms_norm": False,
-        "fuse_decode_layer": True,
+        "native_linear": True,
         "gemv_to_reduction": True,
         "packed_linear": True,
     },
     "cuda": {
         "fuse_add_rms_norm": False,
         "fuse_qkv_rope": False,
+        "fuse_silu_and_mul": False,
         "fuse_allreduce_rms_norm": False,
-        "fuse_decode_layer": False,
+        "native_linear": False,
         "gemv_to_reduction": False,
         "packed_linear": False,
     },
 }
+
+# Passes whose ops run our own C kernels on CPU: on there by default only where the
+# kernels build, and off by default with `native_kernels=False` (Inductor's code alone).
+CPU_NATIVE_PASSES = frozenset(
+    {"fuse_add_rms_norm", "fuse_qkv_rope", "fuse_silu_and_mul", "native_linear", "packed_linear"}
+)
 
 
 @dataclass
@@ -33,14 +42,18 @@ class PassConfig:
     fuse_add_rms_norm: bool | None = None  # None: the device's default
     fuse_qkv_rope: bool | None = None
     fuse_allreduce_rms_norm: bool | None = None
-    # A decoder layer's one-token piece as one op of our C loops (CPU, bf16, AVX-512).
-    fuse_decode_layer: bool | None = None
+    fuse_silu_and_mul: bool | None = None
+    # Batch-1 products as `compilecore.linear` (our C loop; CPU, bf16, AVX-512).
+    native_linear: bool | None = None
     # Small static-M GEMMs as vectorized reductions (pieces compiled for compile_sizes).
     gemv_to_reduction: bool | None = None
     # Other CPU GEMMs with 16-bit weights on a weight packed once (`compilecore.packed_mm`).
     packed_linear: bool | None = None
     # Run each piece's graph before and after every pass on random inputs and compare.
     verify: bool = False
+    # False: no pass emits an op that runs our own C kernels by default on CPU (Inductor's
+    # generated code only), the compiler's own number beside the native one.
+    native_kernels: bool = True
 
     @classmethod
     def from_any(cls, value: PassConfig | dict | None) -> PassConfig:
@@ -53,8 +66,11 @@ class PassConfig:
             raise ValueError(f"compilation_config.passes has unknown fields: {sorted(unknown)}")
         return cls(**value)
 
-    def resolved(self, device_type: str) -> dict[str, bool]:
-        defaults = DEVICE_DEFAULTS.get(device_type, DEVICE_DEFAULTS["cpu"])
+    def resolved(self, device_type: str, kernels_build: bool = True) -> dict[str, bool]:
+        """Each switch on or off; `kernels_build`: whether our CPU kernels build here."""
+        defaults = dict(DEVICE_DEFAULTS.get(device_type, DEVICE_DEFAULTS["cpu"]))
+        if device_type == "cpu" and not (self.native_kernels and kernels_build):
+            defaults |= dict.fromkeys(CPU_NATIVE_PASSES, False)
         return {
             name: default if getattr(self, name) is None else bool(getattr(self, name))
             for name, default in defaults.items()

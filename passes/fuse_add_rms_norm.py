@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import PATTERN_DTYPES, PatternPass, trace_pattern
+from passes.base import PATTERN_DTYPES, PatternPass, dtype_check, trace_pattern
 from passes.ops.add_rms_norm import fused_add_rms_norm_ref
 
 _EPS_PLACEHOLDER = 1.2345e-7  # a value no real pattern constant has
@@ -38,10 +38,10 @@ def _replace(x, residual, weight, eps):
     return out[0], out[1]
 
 
-def register_norm_patterns(search, replace, patterns) -> None:
+def register_norm_patterns(search, replace, patterns, dtypes=None) -> None:
     """Register a (x, residual, weight, eps) -> (out, new_residual) pattern for every
-    dtype, with eps matched as any value."""
-    for dtype in PATTERN_DTYPES:
+    dtype (or those of `dtypes`), with eps matched as any value."""
+    for dtype in PATTERN_DTYPES if dtypes is None else dtypes:
         x, residual, weight = (torch.empty(4, 16, dtype=dtype) for _ in range(3))
         register_replacement(
             search,
@@ -50,6 +50,7 @@ def register_norm_patterns(search, replace, patterns) -> None:
             trace_pattern,
             patterns,
             scalar_workaround={"eps": _EPS_PLACEHOLDER},
+            extra_check=dtype_check("x", dtypes),
         )
 
 
@@ -57,5 +58,12 @@ class AddRMSNormFusionPass(PatternPass):
     name = "fuse_add_rms_norm"
     depends_on = ("passes.ops.add_rms_norm",)
 
+    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None):
+        self.dtypes = dtypes  # None: every dtype (on CPU by default: its C kernel's, bf16)
+        super().__init__()
+
+    def config(self) -> dict:
+        return {"dtypes": None if self.dtypes is None else [str(d) for d in self.dtypes]}
+
     def register(self) -> None:
-        register_norm_patterns(_search, _replace, self.patterns)
+        register_norm_patterns(_search, _replace, self.patterns, self.dtypes)

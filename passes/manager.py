@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -49,9 +50,19 @@ def op_histogram(graph: fx.Graph) -> dict[str, int]:
 
 
 def build_passes(
-    switches: dict[str, bool], context: PassContext, custom: Sequence[GraphPass] = ()
+    switches: dict[str, bool],
+    context: PassContext,
+    custom: Sequence[GraphPass] = (),
+    config: PassConfig | None = None,
 ) -> list[GraphPass]:
     passes: list[GraphPass] = [NoOpEliminationPass()]
+
+    def dtypes(name: str) -> tuple[torch.dtype, ...] | None:
+        # On CPU a fusion left at its default fires only where its op's C kernel runs
+        # (bf16): elsewhere the op is an opaque reference call a CPU graph cannot record.
+        default = config is None or getattr(config, name) is None
+        return (torch.bfloat16,) if context.device_type == "cpu" and default else None
+
     if switches["fuse_allreduce_rms_norm"] and context.tp_size > 1 and context.tp_group_name:
         from passes.fuse_allreduce_rms_norm import AllReduceRMSNormFusionPass
 
@@ -59,22 +70,24 @@ def build_passes(
     if switches["fuse_add_rms_norm"]:
         from passes.fuse_add_rms_norm import AddRMSNormFusionPass
 
-        passes.append(AddRMSNormFusionPass())
-    # Before gemv_to_reduction, which would turn the layer's products into reductions.
-    if switches["fuse_decode_layer"] and context.device_type == "cpu" and context.attention_shapes:
-        from passes.fuse_decode_layer import DecodeLayerFusionPass
-        from passes.ops.decode_layer import kernel_available
+        passes.append(AddRMSNormFusionPass(dtypes("fuse_add_rms_norm")))
+    if switches["fuse_qkv_rope"] and context.attention_shapes:
+        from passes.fuse_qkv_rope import QKVRoPEFusionPass
 
-        if kernel_available():
-            passes.append(DecodeLayerFusionPass(context.attention_shapes))
+        passes.append(QKVRoPEFusionPass(context.attention_shapes, dtypes("fuse_qkv_rope")))
+    if switches["fuse_silu_and_mul"]:
+        from passes.fuse_silu_and_mul import SiluAndMulFusionPass
+
+        passes.append(SiluAndMulFusionPass(dtypes("fuse_silu_and_mul")))
+    # Before gemv_to_reduction, which takes the batch-1 products it leaves.
+    if switches["native_linear"] and context.device_type == "cpu":
+        from passes.native_linear import NativeLinearPass
+
+        passes.append(NativeLinearPass())
     if switches["gemv_to_reduction"]:
         from passes.gemv_to_reduction import GemvToReductionPass
 
         passes.append(GemvToReductionPass())
-    if switches["fuse_qkv_rope"] and context.attention_shapes:
-        from passes.fuse_qkv_rope import QKVRoPEFusionPass
-
-        passes.append(QKVRoPEFusionPass(context.attention_shapes))
     # Last of the built-ins: fusion patterns above still see plain mm.
     if switches["packed_linear"] and context.device_type == "cpu":
         from passes.ops.packed_linear import available
@@ -88,6 +101,12 @@ def build_passes(
     return passes
 
 
+def _kernels_build() -> bool:
+    from passes.ops import layer_kernels
+
+    return layer_kernels.available()
+
+
 class PostGradPassManager(CustomGraphPass):
     def __init__(
         self,
@@ -98,9 +117,9 @@ class PostGradPassManager(CustomGraphPass):
     ):
         self.config = config or PassConfig()
         self.context = context or PassContext()
-        self.switches = self.config.resolved(self.context.device_type)
+        self.switches = self.config.resolved(self.context.device_type, _kernels_build())
         if passes is None:
-            passes = build_passes(self.switches, self.context, custom_passes)
+            passes = build_passes(self.switches, self.context, custom_passes, self.config)
         self.passes = passes
         self.current_piece = "graph"  # set by the backend before each piece's compile
         self.example_inputs: Sequence[Any] | None = None  # that piece's inputs (verifier)

@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger("compilecore")
 
@@ -85,6 +85,45 @@ def record_native_call(
     `omp_get_thread_num()` and may use orphaned barriers), with a barrier after it."""
     if _recorder is not None:
         _recorder.record(address, args, what, keep, check, team)
+
+
+class NativeCall(NamedTuple):
+    """One call of a C function: its address, its integer or tensor arguments, and the
+    team size it runs in (0: a plain call that opens its own threads). `eager`: for a team
+    function, its twin that opens a region of `team` threads itself (takes the same
+    arguments, then the team size), which is how the op runs it outside a CPU graph."""
+
+    address: int
+    args: tuple
+    what: str
+    team: int = 0
+    eager: Any = None
+
+    def run(self) -> None:
+        """Make the call now (through `eager` for a team function)."""
+        ints = [a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in self.args]
+        if self.team:  # `eager` declares int64 arguments
+            self.eager(*ints, self.team)
+        else:
+            fn = ctypes.CFUNCTYPE(None, *[ctypes.c_int64] * len(ints))(self.address)
+            fn(*ints)
+
+
+# "namespace::op" -> entry(args, outputs) -> NativeCall | None: the C call an op made for
+# these arguments and outputs (None: it ran its torch reference). Declared next to each
+# op's registration; a CPU graph capture reads it, so the op itself never knows whether
+# it is recorded.
+_ENTRIES: dict[str, Callable[[tuple, Any], NativeCall | None]] = {}
+
+
+def declare_entry(op: str, entry: Callable[[tuple, Any], NativeCall | None]) -> None:
+    """Declare the C call op `op` ("compilecore::linear") makes, as a function of its
+    arguments and its outputs; the same function the op itself uses to make the call."""
+    _ENTRIES[op] = entry
+
+
+def native_entry(op: str) -> Callable[[tuple, Any], NativeCall | None] | None:
+    return _ENTRIES.get(op)
 
 
 def refuse(reason: str) -> None:

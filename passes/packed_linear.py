@@ -4,12 +4,14 @@ Unfused:
 
     wt = permute(w, [1, 0])
     y  = mm(x, wt)                      # x [M, K], w [N, K] bf16 (fp16) on CPU
+    y  = addmm(b, x, wt)                # a layer with a bias (Qwen2's q/k/v)
 
 Rewritten:
 
     y  = compilecore.packed_mm(x, w)    # our kernel (or oneDNN) on a cached packed copy of w
+    y  = compilecore.packed_mm(x, w, b) # the bias added before the one rounding
 
-Runs after `gemv_to_reduction`, so the batch-1 pieces keep their reduction loops and this
+Runs after `native_linear` and `gemv_to_reduction`, so the batch-1 pieces keep theirs and this
 takes every other size (the symbolic-size code: prefill chunks and batched decode). One
 site per linear layer: 4 per Llama layer. Inductor can no longer fold a following residual
 add into the GEMM (`addmm`); the add joins the RMSNorm's loop instead.
@@ -32,6 +34,14 @@ def _replace(x, w):
     return torch.ops.compilecore.packed_mm.default(x, w)
 
 
+def _search_bias(b, x, w):
+    return torch.addmm(b, x, w.permute(1, 0))
+
+
+def _replace_bias(b, x, w):
+    return torch.ops.compilecore.packed_mm.default(x, w, b)
+
+
 def _cpu_16bit(match) -> bool:
     values = [n.meta.get("val") for n in (match.kwargs["x"], match.kwargs["w"])]
     return all(
@@ -47,7 +57,10 @@ class PackedLinearPass(PatternPass):
     def register(self) -> None:
         # One registration serves both dtypes: the pattern has no converts; the check
         # looks at the matched tensors.
-        x, w = torch.empty(2, 16, dtype=torch.bfloat16), torch.empty(8, 16, dtype=torch.bfloat16)
-        register_replacement(
-            _search, _replace, [x, w], trace_pattern, self.patterns, extra_check=_cpu_16bit
-        )
+        bf16 = dict(dtype=torch.bfloat16)
+        x, w, b = torch.empty(2, 16, **bf16), torch.empty(8, 16, **bf16), torch.empty(8, **bf16)
+        for search, replace, example in ((_search, _replace, [x, w]),
+                                         (_search_bias, _replace_bias, [b, x, w])):  # fmt: skip
+            register_replacement(
+                search, replace, example, trace_pattern, self.patterns, extra_check=_cpu_16bit
+            )

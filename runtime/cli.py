@@ -149,6 +149,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 # names the CLI used to take still work.
 PASS_SWITCHES = tuple(DEVICE_DEFAULTS["cpu"])
 PASS_ALIASES = {"add_rms_norm": "fuse_add_rms_norm", "qkv_rope": "fuse_qkv_rope",
+                "silu_and_mul": "fuse_silu_and_mul",
                 "allreduce_rms_norm": "fuse_allreduce_rms_norm"}  # fmt: skip
 
 
@@ -159,6 +160,16 @@ def dump_passes(args: argparse.Namespace) -> dict[str, bool]:
         for name in names:
             passes[PASS_ALIASES.get(name, name)] = on
     return passes
+
+
+def write_cpu_graphs(out: Path, graphs: dict) -> None:
+    """Each recorded CPU graph's program (`cpu_graphs/size_N.txt`): the calls a replay
+    makes and the parallel regions the capture formed from the ops' team calls."""
+    for size, graph in sorted(graphs.items()):
+        if graph is not None:
+            folder = out / "cpu_graphs"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"size_{size}.txt").write_text(graph.program_text())
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -177,6 +188,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
     if args.prompt:
         out = llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         print(out[0].outputs[0].text, file=sys.stderr)
+        runner = getattr(llm.llm_engine, "runner", None)  # in this process (one rank)
+        write_cpu_graphs(Path(args.out), getattr(runner, "cpu_graphs", {}))
     print(f"dump written to {args.out}")
     return 0
 

@@ -47,9 +47,11 @@ def test_decode_replays_one_graph_equal_to_piecewise(compiled):
     graph = runner.cpu_graphs[1]
     assert isinstance(graph, cpu_graph.CpuGraph)
     layers = compiled.engine_config.model_config.hf_config.num_hidden_layers
-    # one Inductor kernel per piece (layers + 1), a KV write and a decode per layer, the
-    # LM head: nothing else runs in a decode step
-    assert graph.num_calls == (layers + 1) + 2 * layers + 1
+    # The first piece: Inductor's kernel (embedding + norm), QKV, RoPE; each middle piece:
+    # o_proj, add + norm, gate_up, SiLU-and-mul, down, add + norm, QKV, RoPE; the last:
+    # the same up to the final norm; a KV write and a decode per layer; the LM head.
+    # Nothing else runs in a decode step.
+    assert graph.num_calls == 3 + 8 * (layers - 1) + 6 + 2 * layers + 1
     runner.cpu_graphs[1] = None  # piece by piece, through Python
     assert _tokens(compiled) == with_graph
     runner.cpu_graphs[1] = graph

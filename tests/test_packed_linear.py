@@ -46,6 +46,19 @@ def kernel(request, monkeypatch):
     packed_linear._PACKED.clear()
 
 
+@testing.settings(max_examples=20)
+@given(m=st.integers(1, 40), n=st.sampled_from([8, 24, 100]), seed=st.integers(0, 2**16))
+def test_op_with_a_bias_equals_addmm(kernel, m, n, seed):
+    """Qwen2's q/k/v: the bias added in fp32 before the one rounding, as addmm does (to
+    the last bit but the fp32 summation order); column blocks with a tail."""
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, 40, generator=g).bfloat16(), torch.randn(n, 40, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() * 4
+    got = torch.ops.compilecore.packed_mm(x, w, b)
+    want = torch.addmm(b, x, w.t())
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+
+
 @testing.settings(max_examples=40)
 @given(
     m=st.integers(1, 80), k=st.sampled_from([16, 33, 40, 64, 576]),

@@ -21,7 +21,8 @@ def test_whole_model_matches_and_tokens(tiny_llama, tmp_path):
     assert stats.pass_matches["fuse_qkv_rope"] == layers  # one per attention layer
     plain = LLM(str(tiny_llama[0]), compilation_config={"cache_dir": str(tmp_path)})
     plain_stats = plain.llm_engine.model.model._compiled_forward.backend.stats
-    assert "fuse_add_rms_norm" not in plain_stats.pass_matches
+    # fp32: by default the fusions fire on CPU only for their C kernels' dtype (bf16)
+    assert plain_stats.pass_matches.get("fuse_add_rms_norm", 0) == 0
     got = [o.outputs[0].token_ids for o in fused.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert got == want

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import torch
 
+from passes import native
+from passes.native import NativeCall
+from passes.ops import layer_kernels
 from passes.ops.triton_utils import next_power_of_2, row_num_warps, use_triton
 
 
@@ -46,15 +49,35 @@ def fused_add_rms_norm_triton(
     return out, new_res
 
 
-@torch.library.custom_op("compilecore::fused_add_rms_norm", mutates_args=())
+def _native_call(args: tuple, outs: tuple) -> NativeCall | None:
+    """Our C loop (`layer_kernels.cpp`) for bf16 on CPU; None elsewhere."""
+    return layer_kernels.add_rms_norm_call(*args, *outs)
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
         return fused_add_rms_norm_triton(x, residual, weight, eps)
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+    outs = (torch.empty_like(x), torch.empty_like(x))
+    call = _native_call((x, residual, weight, eps), outs) if x.device.type == "cpu" else None
+    if call is None:
+        return fused_add_rms_norm_ref(x, residual, weight, eps)
+    call.run()
+    return outs
 
 
-@fused_add_rms_norm.register_fake
-def _(x, residual, weight, eps):
+def _fake(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+# Through `torch.library.Library`, not the `custom_op` decorator, whose Python wrapper
+# costs ~8 us a call (NOTES section 9): the symbolic-size code calls it 2L times a step.
+_LIB = torch.library.Library("compilecore", "FRAGMENT")
+_LIB.define(
+    "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"
+)
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("fused_add_rms_norm", fused_add_rms_norm, _key)
+torch.library.register_fake("compilecore::fused_add_rms_norm", _fake, lib=_LIB)
+native.declare_entry("compilecore::fused_add_rms_norm", _native_call)

@@ -88,7 +88,7 @@ def _kernel() -> ctypes.CDLL | None:
     lib.packed_mm_numel.argtypes, lib.packed_mm_numel.restype = [i64, i64], i64
     lib.packed_mm_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
     lib.packed_mm_pack.restype = None
-    lib.packed_mm_bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.packed_mm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     lib.packed_mm_bf16.restype = None
     return lib
 
@@ -161,12 +161,14 @@ def _contiguous(x: torch.Tensor, rows_may_stride: bool) -> torch.Tensor:
     return x.contiguous()
 
 
-def _own_kernel_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _own_kernel_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lib, (m, k), n = _kernel(), x.shape, w.shape[0]
     x = _contiguous(x, rows_may_stride=True)
+    bias = None if bias is None else _contiguous(bias[None], rows_may_stride=False)[0]
     y = torch.empty((m, n), dtype=x.dtype)
     if m:
-        args = (x, x.stride(0), packed_weight(w), y, n, m, n, k, torch.get_num_threads())
+        b = 0 if bias is None else bias
+        args = (x, x.stride(0), packed_weight(w), b, y, n, m, n, k, torch.get_num_threads())
         lib.packed_mm_bf16(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
         if native.is_capturing():  # a CPU graph replays this call on the same buffers
             address = native.function_address(lib.packed_mm_bf16)
@@ -174,24 +176,28 @@ def _own_kernel_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def packed_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias): the bias added in fp32 before the one rounding, as addmm does."""
     if x.dtype == w.dtype and uses_own_kernel(w.dtype):
-        return _own_kernel_mm(x, w)
+        return _own_kernel_mm(x, w, bias)
     x = _contiguous(x, rows_may_stride=False)
     if native.is_capturing():
-        if (recorded := onednn_shim.recorded_linear(x, packed_weight(w))) is not None:
+        if bias is not None:
+            native.refuse("compilecore.packed_mm with a bias through oneDNN (the shim has none)")
+        elif (recorded := onednn_shim.recorded_linear(x, packed_weight(w))) is not None:
             return recorded
-        native.refuse("compilecore.packed_mm through oneDNN (no AOTInductor shim to record)")
-    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), None, "none", [], "")
+        else:
+            native.refuse("compilecore.packed_mm through oneDNN (no AOTInductor shim to record)")
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), bias, "none", [], "")
 
 
-def _fake_packed_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _fake_packed_mm(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
 # Registered through `torch.library.Library`, not the `custom_op` decorator, whose Python
 # wrapper costs ~8 us a call (NOTES section 9): a batched decode step makes 121 of them.
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
-_LIB.define("packed_mm(Tensor x, Tensor w) -> Tensor")
+_LIB.define("packed_mm(Tensor x, Tensor w, Tensor? bias=None) -> Tensor")
 _LIB.impl("packed_mm", packed_mm, "CPU")
 torch.library.register_fake("compilecore::packed_mm", _fake_packed_mm, lib=_LIB)

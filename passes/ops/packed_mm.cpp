@@ -28,8 +28,8 @@ constexpr int64_t kCols = 16;  // output columns per block: one zmm of fp32
 
 #if defined(__AVX512BF16__)
 template <int MR>
-inline void tile(const int32_t* xp, const bf16* wp, bf16* y, int64_t ldy, int64_t kp_count,
-                 int64_t cols) {
+inline void tile(const int32_t* xp, const bf16* wp, const bf16* bias, bf16* y, int64_t ldy,
+                 int64_t kp_count, int64_t cols) {
   // Every loop over m fully unrolled, so the accumulators live in registers.
   __m512 acc[MR];
 #pragma GCC unroll 16
@@ -44,12 +44,19 @@ inline void tile(const int32_t* xp, const bf16* wp, bf16* y, int64_t ldy, int64_
       asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc[m]) : "v"(wv), "m"(xk[m]));
   }
   const __mmask16 mask = cols >= kCols ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
+  if (bias) {  // added in fp32 before the one rounding, as addmm does
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias);
+    const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_add_ps(acc[m], b);
+  }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
     _mm256_mask_storeu_epi16(y + m * ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[m]));
 }
 
-typedef void (*tile_fn)(const int32_t*, const bf16*, bf16*, int64_t, int64_t, int64_t);
+typedef void (*tile_fn)(const int32_t*, const bf16*, const bf16*, bf16*, int64_t, int64_t,
+                        int64_t);
 
 template <int... R>
 constexpr auto tiles(std::integer_sequence<int, R...>) {
@@ -87,8 +94,9 @@ void packed_mm_pack(const bf16* w, int64_t ldw, int64_t N, int64_t K, bf16* out,
         }
 }
 
-void packed_mm_bf16(const bf16* x, int64_t ldx, const bf16* wp, bf16* y, int64_t ldy,
-                    int64_t M, int64_t N, int64_t K, int64_t threads) {
+// y = x @ w^T (+ bias, null or [N]) on the packed copy of w.
+void packed_mm_bf16(const bf16* x, int64_t ldx, const bf16* wp, const bf16* bias, bf16* y,
+                    int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t threads) {
 #if defined(__AVX512BF16__)
   static const auto kTiles = tiles(std::make_integer_sequence<int, kRows>{});
   const int64_t kps = (K + 1) / 2, blocks = (N + kCols - 1) / kCols;
@@ -111,7 +119,8 @@ void packed_mm_bf16(const bf16* x, int64_t ldx, const bf16* wp, bf16* y, int64_t
       for (int64_t t = 0; t < row_tiles; ++t) {
         const int64_t rows = std::min(kRows, M - t * kRows);
         kTiles[rows - 1](xp + t * kps * kRows, wp + nb * kps * 2 * kCols,
-                         y + t * kRows * ldy + nb * kCols, ldy, kps, N - nb * kCols);
+                         bias ? bias + nb * kCols : nullptr, y + t * kRows * ldy + nb * kCols,
+                         ldy, kps, N - nb * kCols);
       }
   }
 #endif

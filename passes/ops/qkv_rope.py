@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from passes import native
+from passes.native import NativeCall
+from passes.ops import layer_kernels
 from passes.ops.triton_utils import next_power_of_2, use_triton
 
 
@@ -81,7 +84,6 @@ def fused_qkv_rope_triton(qkv, positions, cos_sin_cache, num_heads, num_kv_heads
     return q, k, v
 
 
-@torch.library.custom_op("compilecore::fused_qkv_rope", mutates_args=())
 def fused_qkv_rope(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -94,14 +96,40 @@ def fused_qkv_rope(
         return fused_qkv_rope_triton(
             qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim
         )
-    return fused_qkv_rope_ref(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim)
+    args = (qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim)
+    outs = _empty_outputs(qkv, num_heads, num_kv_heads, head_dim)
+    call = _native_call(args, outs) if qkv.device.type == "cpu" else None
+    if call is None:
+        return fused_qkv_rope_ref(*args)
+    call.run()
+    return outs
 
 
-@fused_qkv_rope.register_fake
-def _(qkv, positions, cos_sin_cache, num_heads, num_kv_heads, head_dim):
+def _empty_outputs(qkv, num_heads, num_kv_heads, head_dim):
     tokens = qkv.shape[0]
     return (
         qkv.new_empty(tokens, num_heads * head_dim),
         qkv.new_empty(tokens, num_kv_heads * head_dim),
         qkv.new_empty(tokens, num_kv_heads * head_dim),
     )
+
+
+def _native_call(args: tuple, outs: tuple) -> NativeCall | None:
+    """Our C loop (`layer_kernels.cpp`) for bf16 on CPU, whole heads rotated; None elsewhere."""
+    qkv, positions, cache, h, kv, d = args
+    return layer_kernels.qkv_rope_call(qkv, positions, cache, *outs, (h, kv, d))
+
+
+_LIB = torch.library.Library("compilecore", "FRAGMENT")
+_LIB.define(
+    "fused_qkv_rope(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_heads, "
+    "int num_kv_heads, int head_dim) -> (Tensor, Tensor, Tensor)"
+)
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("fused_qkv_rope", fused_qkv_rope, _key)
+torch.library.register_fake(
+    "compilecore::fused_qkv_rope",
+    lambda qkv, positions, cache, h, kv, d: _empty_outputs(qkv, h, kv, d),
+    lib=_LIB,
+)
+native.declare_entry("compilecore::fused_qkv_rope", _native_call)
