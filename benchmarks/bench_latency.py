@@ -126,7 +126,7 @@ def paired_rounds(
     bandwidth, counting the bytes it reads: `ours_bytes` for compilecore, all `weights`
     for the others) and the ceiling measurements taken between rounds."""
     threads = torch.get_num_threads()
-    paired, memory = PairedBandwidth(), WeightsRead(weights)
+    paired, memory = PairedBandwidth(args.ceiling_mb << 20), WeightsRead(weights)
     shares: dict[str, list[float]] = {"ours": [], "theirs": [], "memory": []}
     best = dict.fromkeys(shares, 0.0)
     bandwidths = []
@@ -146,7 +146,7 @@ def paired_rounds(
         read = functools.partial(memory.decode, args.tokens)
         runs = [timed("memory")(read) for _ in range(args.repeats)]
         best["memory"] = max(best["memory"], statistics.median(runs))
-        bandwidths.append(read_bandwidth())
+        bandwidths.append(read_bandwidth(nbytes=args.ceiling_mb << 20))
     names = {"ours": "compilecore compiled"}
     if gguf is not None:
         names["theirs"] = f"llama.cpp ({gguf.stem.rsplit('-', 1)[-1].upper()})"
@@ -175,12 +175,14 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--sampled", action="store_true",
                         help=f"sample ({SAMPLED}) instead of greedy, in every engine")  # fmt: skip
     parser.add_argument("--out", default=str(RESULTS))
+    mb = "MB each bandwidth sum reads (more than the last-level cache)"
+    parser.add_argument("--ceiling-mb", type=int, default=512, help=mb)
     args = parser.parse_args(argv)
     args.sampling = SAMPLED if args.sampled else None
     threads = torch.get_num_threads()
     # Measured before, between and after the engines (and each round); the ceiling is the
     # largest.
-    bandwidths = [read_bandwidth()]
+    bandwidths = [read_bandwidth(nbytes=args.ceiling_mb << 20)]
     rows = []
     gguf = Path(args.gguf) if args.gguf else (peers.gguf("bf16") if args.model is None else None)
     lacking = [] if gguf else ["a GGUF of these weights (--gguf)"]
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> Path:
         dtype = llm.engine_config.model_config.dtype
         del llm
         gc.collect()
-        bandwidths.append(read_bandwidth())
+        bandwidths.append(read_bandwidth(nbytes=args.ceiling_mb << 20))
     rows += [paired["theirs"]] if "theirs" in paired else []
     peers.report_missing(lacking)
     if not args.no_hf:
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> Path:
             speed = hf_decode_speed(model_dir, dtype, prompt, args.tokens, compiled, args.sampling)
             rows.append({"engine": name, "tok_s": speed, "MB_read": weights / 1e6})
     rows.append(paired["memory"])  # last in the table, after every engine
-    bandwidths.append(read_bandwidth())
+    bandwidths.append(read_bandwidth(nbytes=args.ceiling_mb << 20))
     ceiling_gbs = max(bandwidths)
     ceiling = ceiling_gbs * 1e9 / weights
     reference = next((r["tok_s"] for r in rows if r["engine"].startswith("llama.cpp")), None)

@@ -8,13 +8,12 @@ and parameter tree as HF transformers' `LlamaForCausalLM`, over a flat token dim
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from compilecore.compiled_function import StaticShapeFunction
 from compilecore.config import EngineConfig
 from compilecore.decorators import support_torch_compile
 from compilecore.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
@@ -41,7 +40,6 @@ from models.utils import (
     make_layers,
     maybe_prefix,
 )
-from passes.ops import gemv
 
 
 class WeightLoadError(ValueError):
@@ -294,8 +292,6 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
             self.logits_processor = LogitsProcessor(
                 config.vocab_size,
                 scale=getattr(config, "logit_scale", 1.0),
-                small_batch_gemv=_small_batch_gemv(engine_config),
-                linear=_batched_lm_head(engine_config),
             )
         else:
             self.lm_head = PPMissingLayer()
@@ -377,31 +373,3 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                 + ", ".join(sorted(missing))
             )
         return set(shards)
-
-
-def _batched_lm_head(engine_config: EngineConfig) -> Callable | None:
-    """Compiled bf16/fp16 engines on CPU run the LM head over several rows as the
-    `packed_linear` pass runs the model's own GEMMs."""
-    from passes.ops import packed_linear
-
-    cc, dtype = engine_config.compilation_config, engine_config.model_config.dtype
-    if (
-        engine_config.device.type != "cpu"
-        or cc.mode == "none"
-        or dtype not in packed_linear.supported_dtypes()
-        or not cc.passes.resolved("cpu")["packed_linear"]
-    ):
-        return None
-    return torch.ops.compilecore.packed_mm
-
-
-def _small_batch_gemv(engine_config: EngineConfig) -> Callable | None:
-    """Compiled engines on CPU read the LM head at batch 1 through our C loop in bf16 where
-    the CPU has AVX512-BF16 (recorded into CPU graphs like any native op), else through a
-    compiled reduction loop."""
-    cc = engine_config.compilation_config
-    if engine_config.device.type != "cpu" or cc.mode == "none":
-        return None
-    if cc.passes.native_kernels and gemv.own_kernel_available(engine_config.model_config.dtype):
-        return torch.ops.compilecore.gemv_logits
-    return StaticShapeFunction(gemv.gemv_logits_reduction, engine_config)

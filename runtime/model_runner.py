@@ -29,6 +29,7 @@ from models.layers.logits_processor import LogitsProcessor
 from passes.ops import gemv
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
+from runtime.lm_head import choose_lm_head_kernels
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("compilecore")
@@ -139,6 +140,7 @@ class ModelRunner:
         self.config = engine_config
         self.model = model
         self.attn_backend = attn_backend
+        choose_lm_head_kernels(model, engine_config)  # the runtime's choice (runtime/lm_head.py)
         self.device = engine_config.device
         self.dtype = engine_config.model_config.dtype
         self.block_size = engine_config.cache_config.block_size

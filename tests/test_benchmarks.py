@@ -50,9 +50,8 @@ def _args(tiny_llama, tmp_path, *extra: str) -> list[str]:
 
 @pytest.mark.parametrize("draw", [[], ["--sampled"]], ids=["greedy", "sampled"])
 def test_latency_smoke(tiny_llama, tmp_path, draw):
-    out = _load("bench_latency").main(
-        _args(tiny_llama, tmp_path, "--tokens", "4", "--repeats", "1", "--rounds", "1", *draw)
-    )
+    quick = ["--tokens", "4", "--repeats", "1", "--rounds", "1", "--ceiling-mb", "64"]
+    out = _load("bench_latency").main(_args(tiny_llama, tmp_path, *quick, *draw))
     assert out.name == ("latency_sampled.json" if draw else "latency.json")
     data = _check(out, 4)
     assert ("sampled (temperature 0.8, top_p 0.95)" in data["title"]) == bool(draw)

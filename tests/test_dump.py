@@ -94,7 +94,7 @@ def test_dump_has_every_file(dumps):
     assert "fused_add_rms_norm" not in before and "aten.rsqrt" in before
     assert "fused_add_rms_norm" in after and "aten.rsqrt" not in after
     # the batch-1 CPU graph's recorded program: each call, and the regions formed
-    program = (dumps["on"] / "cpu_graphs" / "size_1.txt").read_text().splitlines()
+    program = (dumps["off1"] / "cpu_graphs" / "size_1.txt").read_text().splitlines()
     assert sum("CPU attention (decode)" in line for line in program) == layers
     assert any("region 1 (team of" in line for line in program)
     assert "Inductor kernel" in program[0] and "plain call" in program[0]

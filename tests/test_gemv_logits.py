@@ -66,22 +66,22 @@ def test_the_call_is_recorded_into_cpu_graphs(tmp_path):
 
 
 def test_compiled_bf16_engine_uses_it_at_batch_1():
-    """The model built for a compiled bf16 CPU engine routes one row through the op (and
-    keeps the compiled reduction for fp32)."""
+    """The runtime gives a compiled bf16 CPU engine's LM head the op for one row (and the
+    compiled reduction for fp32, or with `native_kernels=False`)."""
     from compilecore.compiled_function import StaticShapeFunction
     from compilecore.config import CompilationConfig, EngineConfig
-    from models.llama import _small_batch_gemv
+    from runtime.lm_head import small_batch_lm_head
     from tests.helpers import llama_config
 
-    def head(dtype: torch.dtype):
-        config = EngineConfig.for_hf_config(
-            llama_config(), dtype=dtype, compilation_config=CompilationConfig(cache_dir="/dev/null")
-        )
-        return _small_batch_gemv(config)
+    def head(dtype: torch.dtype, native_kernels: bool = True):
+        cc = CompilationConfig(cache_dir="/dev/null", native_kernels=native_kernels)
+        config = EngineConfig.for_hf_config(llama_config(), dtype=dtype, compilation_config=cc)
+        return small_batch_lm_head(config)
 
     bf16, fp32 = head(torch.bfloat16), head(torch.float32)
     assert bf16 is torch.ops.compilecore.gemv_logits
     assert isinstance(fp32, StaticShapeFunction)
+    assert isinstance(head(torch.bfloat16, native_kernels=False), StaticShapeFunction)
 
 
 def test_long_rows_get_an_unrolled_build_of_their_own():

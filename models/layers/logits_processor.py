@@ -14,12 +14,10 @@ from passes.ops import gemv
 class LogitsProcessor(nn.Module):
     """Hidden states -> logits over the whole vocabulary (gathered across TP ranks).
 
-    With `small_batch_gemv` (compiled engines on CPU: `compilecore.gemv_logits` in bf16 on
-    AVX512-BF16, else `passes.ops.gemv.gemv_logits_reduction` compiled per shape), a single
-    row goes through a loop that reads the (large) LM head weight at close to memory
-    bandwidth and returns fp32 logits; with `linear`
-    (compiled bf16 engines on CPU: `compilecore.packed_mm`), more rows go through a kernel
-    on a weight packed once."""
+    The runtime may give it kernels (runtime/lm_head.py; the model file never chooses one):
+    `small_batch_gemv` for a single row, which reads the (large) LM head weight at close
+    to memory bandwidth and returns fp32 logits, and `linear` for more rows, a kernel on a
+    weight packed once. Without them: `F.linear`."""
 
     # One row: a reduction over several rows re-reads the weight per row (batch-4 decode
     # 120 -> 137 tok/s with F.linear instead, benchmarks/NOTES.md section 20).
