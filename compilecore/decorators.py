@@ -137,10 +137,18 @@ class DataDependentShapeError(RuntimeError):
 
 
 def _is_data_dependent(exc: BaseException) -> bool:
-    """Dynamo's ways of saying that code needed the value of an unbacked size (u0, u1...)."""
+    """Dynamo's ways of saying that code needed the value of an unbacked size (u0, u1...).
+    Not a failure inside the compile backend (a pass, a fake implementation, Inductor):
+    those messages name the pieces' arguments, sizes u0 and u1 among them, whatever the
+    error was, and are raised as they are."""
     text = f"{type(exc).__name__}: {exc}"
     markers = ("data-dependent", "DataDependent", "GuardOnDataDependentSymNode")
-    return any(m in text for m in markers) or re.search(r"\bu\d+\b", text) is not None
+    if any(m in text for m in markers):
+        return True
+    in_backend = "While executing" in text or type(exc).__name__ in (
+        "BackendCompilerFailed", "InductorError",
+    )  # fmt: skip
+    return not in_backend and re.search(r"\bu\d+\b", text) is not None
 
 
 class CompiledForward:

@@ -368,6 +368,23 @@ class BranchesOnTokenCount(nn.Module):
         return x + 1.0
 
 
+def _failing_pass(graph) -> int:
+    raise ValueError("a broken pass, not the token count")
+
+
+def test_a_failure_inside_the_backend_is_not_blamed_on_the_token_count(tmp_path):
+    """A pass that raises: its own error comes out, not the token-count rule (Inductor's
+    message names the pieces' arguments, the sizes u0 and u1 among them)."""
+    from compilecore.decorators import DataDependentShapeError
+
+    torch._dynamo.reset()
+    config = _silly_config(tmp_path, custom_passes=[_failing_pass])
+    model = SillyModel(engine_config=config, num_layers=1)
+    with pytest.raises(Exception, match="a broken pass") as info:
+        model(torch.randn(3, 8))
+    assert not isinstance(info.value, DataDependentShapeError)
+
+
 def test_branching_on_the_token_count_is_named_as_the_rule(tmp_path):
     from compilecore.decorators import DataDependentShapeError
 
