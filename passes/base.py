@@ -105,8 +105,11 @@ class PatternPass(GraphPass):
         example_inputs: Sequence[Any] | None = None,
         *,
         name: str | None = None,
+        dtypes: Sequence[torch.dtype] | None = None,
         **options: Any,
     ) -> None:
+        # Only these dtypes (None: every one): for passes whose op has a kernel for some.
+        self.dtypes = tuple(dtypes) if dtypes is not None else None
         if name is not None:
             self.name = name
         elif search is not None and type(self).name == PatternPass.name:
@@ -170,13 +173,17 @@ class PatternPass(GraphPass):
         functions += [e[3]["extra_check"] for e in self.entries if "extra_check" in e[3]]
         return super().source_objects() + [inspect.getmodule(f) or f for f in functions]
 
+    def pattern_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes to register patterns for: `dtypes`, else `PATTERN_DTYPES`."""
+        return PATTERN_DTYPES if self.dtypes is None else self.dtypes
+
     def config(self) -> dict[str, Any]:
-        return {
-            "patterns": [
-                [s.__qualname__, r.__qualname__, [_describe(v) for v in x]]
-                for s, r, x, _ in self.entries
-            ]
-        }
+        patterns = [
+            [s.__qualname__, r.__qualname__, [_describe(v) for v in x]]
+            for s, r, x, _ in self.entries
+        ]
+        dtypes = None if self.dtypes is None else [str(d) for d in self.dtypes]
+        return {"patterns": patterns} | ({"dtypes": dtypes} if dtypes else {})
 
     def __call__(self, graph: fx.Graph) -> int:
         return self.patterns.apply(graph)
@@ -186,12 +193,13 @@ class AttentionShapePatternPass(PatternPass):
     """A pattern pass registered once per attention shape of the model (head counts and
     head size are constants of its patterns)."""
 
-    def __init__(self, shapes: list[AttentionShape]):
+    def __init__(self, shapes: list[AttentionShape], dtypes: Sequence[torch.dtype] | None = None):
         self.shapes = sorted(set(shapes), key=lambda s: (s.num_heads, s.num_kv_heads, s.head_dim))
-        super().__init__()
+        super().__init__(dtypes=dtypes)
 
     def config(self) -> dict:
-        return {"shapes": [(s.num_heads, s.num_kv_heads, s.head_dim) for s in self.shapes]}
+        shapes = [(s.num_heads, s.num_kv_heads, s.head_dim) for s in self.shapes]
+        return super().config() | {"shapes": shapes}
 
 
 def _describe(value: Any) -> str:

@@ -58,12 +58,5 @@ class AddRMSNormFusionPass(PatternPass):
     name = "fuse_add_rms_norm"
     depends_on = ("passes.ops.add_rms_norm",)
 
-    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None):
-        self.dtypes = dtypes  # None: every dtype (on CPU by default: its C kernel's, bf16)
-        super().__init__()
-
-    def config(self) -> dict:
-        return {"dtypes": None if self.dtypes is None else [str(d) for d in self.dtypes]}
-
     def register(self) -> None:
         register_norm_patterns(_search, _replace, self.patterns, self.dtypes)

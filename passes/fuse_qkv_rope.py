@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import PATTERN_DTYPES, AttentionShapePatternPass, dtype_check, trace_pattern
+from passes.base import AttentionShapePatternPass, dtype_check, trace_pattern
 from passes.config import AttentionShape
 from passes.ops.qkv_rope import apply_rope, rope_cos_sin
 
@@ -45,19 +45,11 @@ class QKVRoPEFusionPass(AttentionShapePatternPass):
     name = "fuse_qkv_rope"
     depends_on = ("passes.ops.qkv_rope",)
 
-    def __init__(self, shapes: list[AttentionShape], dtypes: tuple[torch.dtype, ...] | None = None):
-        self.dtypes = dtypes  # None: every dtype (on CPU by default: its C kernel's, bf16)
-        super().__init__(shapes)
-
-    def config(self) -> dict:
-        dtypes = None if self.dtypes is None else [str(d) for d in self.dtypes]
-        return super().config() | {"dtypes": dtypes}
-
     def register(self) -> None:
         for shape in self.shapes:
             search, replace = _make(shape)
             width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-            for dtype in PATTERN_DTYPES if self.dtypes is None else self.dtypes:
+            for dtype in self.pattern_dtypes():
                 qkv = torch.empty(4, width, dtype=dtype)
                 positions = torch.zeros(4, dtype=torch.long)
                 cache = torch.empty(16, shape.head_dim, dtype=torch.float32)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import PATTERN_DTYPES, PatternPass, dtype_check, trace_pattern
+from passes.base import PatternPass, dtype_check, trace_pattern
 from passes.ops.silu_and_mul import silu_and_mul_ref
 
 
@@ -49,16 +49,9 @@ class SiluAndMulFusionPass(PatternPass):
     name = "fuse_silu_and_mul"
     depends_on = ("passes.ops.silu_and_mul",)
 
-    def __init__(self, dtypes: tuple[torch.dtype, ...] | None = None):
-        self.dtypes = dtypes  # None: every dtype (on CPU by default: its C kernel's, bf16)
-        super().__init__()
-
-    def config(self) -> dict:
-        return {"dtypes": None if self.dtypes is None else [str(d) for d in self.dtypes]}
-
     def register(self) -> None:
         of_dtype = dtype_check("gu", self.dtypes)
-        for dtype in PATTERN_DTYPES if self.dtypes is None else self.dtypes:
+        for dtype in self.pattern_dtypes():
             register_replacement(
                 _search,
                 _replace,

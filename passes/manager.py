@@ -70,7 +70,7 @@ def build_passes(
     if switches["fuse_add_rms_norm"]:
         from passes.fuse_add_rms_norm import AddRMSNormFusionPass
 
-        passes.append(AddRMSNormFusionPass(dtypes("fuse_add_rms_norm")))
+        passes.append(AddRMSNormFusionPass(dtypes=dtypes("fuse_add_rms_norm")))
     if switches["fuse_qkv_rope"] and context.attention_shapes:
         from passes.fuse_qkv_rope import QKVRoPEFusionPass
 
@@ -78,7 +78,7 @@ def build_passes(
     if switches["fuse_silu_and_mul"]:
         from passes.fuse_silu_and_mul import SiluAndMulFusionPass
 
-        passes.append(SiluAndMulFusionPass(dtypes("fuse_silu_and_mul")))
+        passes.append(SiluAndMulFusionPass(dtypes=dtypes("fuse_silu_and_mul")))
     # Before gemv_to_reduction, which takes the batch-1 products it leaves.
     if switches["native_linear"] and context.device_type == "cpu":
         from passes.native_linear import NativeLinearPass

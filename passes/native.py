@@ -88,25 +88,22 @@ def record_native_call(
 
 
 class NativeCall(NamedTuple):
-    """One call of a C function: its address, its integer or tensor arguments, and the
-    team size it runs in (0: a plain call that opens its own threads). `eager`: for a team
-    function, its twin that opens a region of `team` threads itself (takes the same
-    arguments, then the team size), which is how the op runs it outside a CPU graph."""
+    """One call of a C team function: its address, its integer or tensor arguments, and the
+    team size it runs in. `eager`: its twin that opens a region of `team` threads itself
+    (the same arguments, then the team size), which is how the op runs it outside a CPU
+    graph."""
 
     address: int
     args: tuple
     what: str
-    team: int = 0
-    eager: Any = None
+    team: int
+    eager: Any
 
     def run(self) -> None:
-        """Make the call now (through `eager` for a team function)."""
+        """Make the call now, in a region of its own (through `eager`, whose arguments are
+        int64s: these calls are all team functions)."""
         ints = [a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in self.args]
-        if self.team:  # `eager` declares int64 arguments
-            self.eager(*ints, self.team)
-        else:
-            fn = ctypes.CFUNCTYPE(None, *[ctypes.c_int64] * len(ints))(self.address)
-            fn(*ints)
+        self.eager(*ints, self.team)
 
 
 # "namespace::op" -> entry(args, outputs) -> NativeCall | None: the C call an op made for

@@ -26,7 +26,8 @@ from torch._inductor.pattern_matcher import register_replacement
 from passes.base import PatternPass, trace_pattern
 
 
-def _mm(x, w):
+def mm_search(x, w):
+    """A linear layer without a bias, as the post-grad graph holds it."""
     return torch.mm(x, w.permute(1, 0))
 
 
@@ -34,7 +35,8 @@ def _linear(x, w):
     return torch.ops.compilecore.linear.default(x, w)
 
 
-def _addmm(b, x, w):
+def addmm_search(b, x, w):
+    """A linear layer with a bias."""
     return torch.addmm(b, x, w.permute(1, 0))
 
 
@@ -63,7 +65,8 @@ class NativeLinearPass(PatternPass):
     def register(self) -> None:
         bf16 = dict(dtype=torch.bfloat16)
         x, w, b = torch.empty(2, 16, **bf16), torch.empty(8, 16, **bf16), torch.empty(8, **bf16)
-        for search, replace, example in ((_mm, _linear, [x, w]), (_addmm, _linear_bias, [b, x, w])):
+        patterns = ((mm_search, _linear, [x, w]), (addmm_search, _linear_bias, [b, x, w]))
+        for search, replace, example in patterns:
             register_replacement(
                 search, replace, example, trace_pattern, self.patterns, extra_check=_one_bf16_row
             )

@@ -23,19 +23,12 @@ import torch
 from torch._inductor.pattern_matcher import register_replacement
 
 from passes.base import PatternPass, trace_pattern
+from passes.native_linear import addmm_search, mm_search
 from passes.ops.packed_linear import supported_dtypes
-
-
-def _search(x, w):
-    return torch.mm(x, w.permute(1, 0))
 
 
 def _replace(x, w):
     return torch.ops.compilecore.packed_mm.default(x, w)
-
-
-def _search_bias(b, x, w):
-    return torch.addmm(b, x, w.permute(1, 0))
 
 
 def _replace_bias(b, x, w):
@@ -52,15 +45,15 @@ def _cpu_16bit(match) -> bool:
 
 class PackedLinearPass(PatternPass):
     name = "packed_linear"
-    depends_on = ("passes.ops.packed_linear",)
+    depends_on = ("passes.ops.packed_linear", "passes.native_linear")
 
     def register(self) -> None:
         # One registration serves both dtypes: the pattern has no converts; the check
         # looks at the matched tensors.
         bf16 = dict(dtype=torch.bfloat16)
         x, w, b = torch.empty(2, 16, **bf16), torch.empty(8, 16, **bf16), torch.empty(8, **bf16)
-        for search, replace, example in ((_search, _replace, [x, w]),
-                                         (_search_bias, _replace_bias, [b, x, w])):  # fmt: skip
+        for search, replace, example in ((mm_search, _replace, [x, w]),
+                                         (addmm_search, _replace_bias, [b, x, w])):  # fmt: skip
             register_replacement(
                 search, replace, example, trace_pattern, self.patterns, extra_check=_cpu_16bit
             )
