@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the benchmarks' peers, once, under the compilecore cache directory (never in CI):
 #   - llama.cpp from the tree vendored in llama-cpp-python's source distribution:
-#     libllama (shared), llama-batched-bench, llama-bench and llama-server (cmake, ~6 min)
+#     libllama (shared), llama-batched-bench, llama-bench, llama-server, llama-perplexity
+#     and llama-quantize (cmake, ~6 min)
 #   - llama-cpp-python's Python binding from the same source distribution, pointed at
 #     that libllama (LLAMA_CPP_LIB_PATH) instead of compiling llama.cpp a second time
 #   - the default model's safetensors converted to BF16 and Q8_0 GGUF with that tree's
@@ -24,13 +25,16 @@ if [ ! -d "$src" ]; then
     tar xzf "$peers/llama_cpp_python-$version.tar.gz" -C "$peers"
 fi
 
-if [ ! -x "$build/bin/llama-batched-bench" ] || [ ! -f "$build/bin/libllama.so" ]; then
+tools="llama-batched-bench llama-bench llama-server llama-perplexity llama-quantize"
+missing_tool=0
+for tool in $tools; do [ -x "$build/bin/$tool" ] || missing_tool=1; done
+if [ "$missing_tool" = 1 ] || [ ! -f "$build/bin/libllama.so" ]; then
     echo "[peers] building llama.cpp (cmake, Release, native ISA; ~6 min on 2 cores)" >&2
     cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release \
         -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF >/dev/null
     cmake --build "$build" -j"$(nproc)" \
-        --target llama llama-batched-bench llama-bench llama-server >/dev/null
+        --target llama $tools >/dev/null
 fi
 
 if ! python -m pip show -q llama-cpp-python >/dev/null 2>&1; then

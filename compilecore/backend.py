@@ -8,6 +8,7 @@ import functools
 import logging
 import time
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,9 @@ from compilecore.split import Piece, graph_signature, split_graph
 from passes.manager import PostGradPassManager
 
 logger = logging.getLogger("compilecore")
+# A quantized embedding's lookup dequantizes fp16 scales into bf16 rows in one loop, which
+# Inductor compiles correctly and warns about on every compile (cpp.py).
+warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
 
 
 @dataclass

@@ -52,6 +52,9 @@ class ModelConfig:
     # transformers' GenerationConfig from generation_config.json, when the folder has one
     # (the engine takes its extra EOS ids; the LLM its sampling defaults).
     generation_config: Any = None
+    # models.layers.quantization.QuantizationConfig: which layers hold quantized weights
+    # (a GGUF file's, or a float checkpoint's quantized when loaded); None: none.
+    quant_config: Any = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -260,5 +263,6 @@ class EngineConfig:
             max_model_len=parts.pop(
                 "max_model_len", getattr(hf_config, "max_position_embeddings", 2048)
             ),
+            quant_config=parts.pop("quant_config", None),
         )
         return cls(model_config=model_config, **parts)

@@ -30,6 +30,7 @@ from models.layers.linear import (
     default_weight_loader,
 )
 from models.layers.logits_processor import LogitsProcessor
+from models.layers.quantization import QuantizationConfig
 from models.layers.rotary_embedding import get_rope, rope_settings
 from models.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from models.utils import (
@@ -54,6 +55,7 @@ class LlamaMLP(nn.Module):
         hidden_act: str,
         *,
         bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ):
         super().__init__()
@@ -61,11 +63,13 @@ class LlamaMLP(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"Unsupported activation: {hidden_act}. Only silu is supported.")
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, prefix=f"{prefix}.gate_up_proj"
-        )
+            hidden_size, [intermediate_size] * 2, bias=bias, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )  # fmt: skip
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj"
-        )
+            intermediate_size, hidden_size, bias=bias, quant_config=quant_config,
+            prefix=f"{prefix}.down_proj",
+        )  # fmt: skip
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,18 +111,21 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
 
+        quant_config = engine_config.model_config.quant_config
         self.qkv_proj = QKVParallelLinear(
             self.hidden_size,
             self.head_dim,
             self.total_num_heads,
             self.total_num_kv_heads,
             bias=bias,
+            quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
             self.total_num_heads * self.head_dim,
             self.hidden_size,
             bias=bias_o_proj,
+            quant_config=quant_config,
             prefix=f"{prefix}.o_proj",
         )
         theta, scaling = rope_settings(config)
@@ -159,6 +166,7 @@ class LlamaDecoderLayer(nn.Module):
             config.intermediate_size,
             config.hidden_act,
             bias=getattr(config, "mlp_bias", False),
+            quant_config=engine_config.model_config.quant_config,
             prefix=f"{prefix}.mlp",
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -208,8 +216,10 @@ class LlamaModel(nn.Module):
         tie = getattr(config, "tie_word_embeddings", False)
         if pp.is_first_rank or (tie and pp.is_last_rank):
             self.embed_tokens = VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
-            )
+                config.vocab_size, config.hidden_size,
+                quant_config=engine_config.model_config.quant_config,
+                prefix=f"{prefix}.embed_tokens",
+            )  # fmt: skip
         else:
             self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
@@ -285,8 +295,10 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
         )
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(
-                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
-            )
+                config.vocab_size, config.hidden_size,
+                quant_config=engine_config.model_config.quant_config,
+                prefix=maybe_prefix(prefix, "lm_head"),
+            )  # fmt: skip
             if getattr(config, "tie_word_embeddings", False):
                 self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
             self.logits_processor = LogitsProcessor(

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from compilecore.config import EngineConfig
+from models import gguf
 from models.registry import resolve_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -93,9 +94,18 @@ def build_model(engine_config: EngineConfig) -> nn.Module:
         torch.set_default_dtype(previous)
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    files = safetensors_files(model_dir)
-    loaded = model.load_weights(iterate_weights(files))
+def load_weights(
+    model: nn.Module, model_dir: str | Path, engine_config: EngineConfig | None = None
+) -> None:
+    """Load a folder's safetensors (or a GGUF file's tensors) into `model`, then let each
+    layer finish its weights (quantize them where the config asks for it at load)."""
+    if gguf.is_gguf(model_dir):
+        hf_config = engine_config.model_config.hf_config if engine_config else None
+        quant = engine_config.model_config.quant_config if engine_config else None
+        weights = gguf.iterate_weights(model_dir, hf_config or model.config, quant)
+    else:
+        weights = iterate_weights(safetensors_files(model_dir))
+    loaded = model.load_weights(weights)
     expected = set(dict(model.named_parameters()))
     missing = sorted(expected - loaded)
     if missing:
@@ -103,9 +113,13 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             f" and {len(missing) - 10} more" if len(missing) > 10 else ""
         )
         raise ModelLoadError(f"weights missing from the checkpoint in {model_dir}: {shown}")
+    for module in model.modules():
+        finish = getattr(module, "process_weights_after_loading", None)
+        if finish is not None:
+            finish()
 
 
 def load_model(engine_config: EngineConfig) -> nn.Module:
     model = build_model(engine_config)
-    load_weights(model, engine_config.model_config.model)
+    load_weights(model, engine_config.model_config.model, engine_config)
     return model

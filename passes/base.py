@@ -263,6 +263,12 @@ def _takes_no_arguments(fn: Callable) -> bool:
 PATTERN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def is_graph_input(node: Any) -> bool:
+    """Whether a matched value is one of the graph's inputs (a weight, not a value computed
+    in the graph such as a dequantized weight, which is new each run)."""
+    return isinstance(node, fx.Node) and node.op in ("placeholder", "get_attr")
+
+
 def trace_pattern(*args: Any, **kwargs: Any) -> fx.GraphModule:
     """`fwd_only`, then Inductor's own `view_to_reshape`: post-grad graphs (what the
     pattern is matched against) have every view turned into a reshape by then."""

@@ -15,6 +15,8 @@ DEVICE_DEFAULTS = {
         "fuse_qkv_rope": True,
         "fuse_silu_and_mul": True,
         "fuse_allreduce_rms_norm": False,
+        "quantized_linear": True,
+        "decompose_dequantize": True,
         "native_linear": True,
         "gemv_to_reduction": True,
         "packed_linear": True,
@@ -24,6 +26,8 @@ DEVICE_DEFAULTS = {
         "fuse_qkv_rope": False,
         "fuse_silu_and_mul": False,
         "fuse_allreduce_rms_norm": False,
+        "quantized_linear": False,
+        "decompose_dequantize": True,
         "native_linear": False,
         "gemv_to_reduction": False,
         "packed_linear": False,
@@ -33,7 +37,14 @@ DEVICE_DEFAULTS = {
 # Passes whose ops run our own C kernels on CPU: on there by default only where the
 # kernels build, and off by default with `native_kernels=False` (Inductor's code alone).
 CPU_NATIVE_PASSES = frozenset(
-    {"fuse_add_rms_norm", "fuse_qkv_rope", "fuse_silu_and_mul", "native_linear", "packed_linear"}
+    {
+        "fuse_add_rms_norm",
+        "fuse_qkv_rope",
+        "fuse_silu_and_mul",
+        "quantized_linear",
+        "native_linear",
+        "packed_linear",
+    }  # fmt: skip
 )
 
 
@@ -43,6 +54,11 @@ class PassConfig:
     fuse_qkv_rope: bool | None = None
     fuse_allreduce_rms_norm: bool | None = None
     fuse_silu_and_mul: bool | None = None
+    # Products with block-quantized weights as `compilecore.q4_linear` / `q8_linear` (our
+    # C loop on the blocks; CPU, up to 16 static rows).
+    quantized_linear: bool | None = None
+    # Dequantization ops left as the reference's plain ops, for Inductor to fuse.
+    decompose_dequantize: bool | None = None
     # Batch-1 products as `compilecore.linear` (our C loop; CPU, bf16, AVX-512).
     native_linear: bool | None = None
     # Small static-M GEMMs as vectorized reductions (pieces compiled for compile_sizes).

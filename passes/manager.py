@@ -79,6 +79,16 @@ def build_passes(
         from passes.fuse_silu_and_mul import SiluAndMulFusionPass
 
         passes.append(SiluAndMulFusionPass(dtypes=dtypes("fuse_silu_and_mul")))
+    # Quantized products first: the passes below would take a dequantized weight for a
+    # plain one.
+    if switches["quantized_linear"] and context.device_type == "cpu":
+        from passes.quantized_linear import QuantizedLinearPass
+
+        passes.append(QuantizedLinearPass())
+    if switches["decompose_dequantize"]:
+        from passes.decompose_dequantize import DecomposeDequantizePass
+
+        passes.append(DecomposeDequantizePass())
     # Before gemv_to_reduction, which takes the batch-1 products it leaves.
     if switches["native_linear"] and context.device_type == "cpu":
         from passes.native_linear import NativeLinearPass

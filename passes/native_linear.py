@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import PatternPass, trace_pattern
+from passes.base import PatternPass, is_graph_input, trace_pattern
 
 
 def mm_search(x, w):
@@ -51,6 +51,8 @@ def is_applicable(rows: object, dtype: torch.dtype, device: torch.device) -> boo
 
 
 def _one_bf16_row(match) -> bool:
+    if not is_graph_input(match.kwargs["w"]):  # the kernel's unrolled rows read a weight
+        return False
     x = match.kwargs["x"].meta.get("val")
     w = match.kwargs["w"].meta.get("val")
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() != 2:

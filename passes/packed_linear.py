@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch._inductor.pattern_matcher import register_replacement
 
-from passes.base import PatternPass, trace_pattern
+from passes.base import PatternPass, is_graph_input, trace_pattern
 from passes.native_linear import addmm_search, mm_search
 from passes.ops.packed_linear import supported_dtypes
 
@@ -36,6 +36,8 @@ def _replace_bias(b, x, w):
 
 
 def _cpu_16bit(match) -> bool:
+    if not is_graph_input(match.kwargs["w"]):  # packed once: it must be a weight
+        return False
     values = [n.meta.get("val") for n in (match.kwargs["x"], match.kwargs["w"])]
     return all(
         isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype in supported_dtypes()

@@ -18,9 +18,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="HF model folder (config.json + safetensors); default: the embedded "
-        "SmolLM2-135M-Instruct, converted once into the cache directory",
+        help="HF model folder (config.json + safetensors) or a .gguf file; default: the "
+        "embedded SmolLM2-135M-Instruct, run from its shipped Q4_1 GGUF file",
     )
+    g.add_argument(
+        "--load-format", default="auto", choices=["auto", "gguf", "safetensors"],
+        help="safetensors: the default model's dequantized bf16 copy instead of its GGUF file",
+    )  # fmt: skip
+    g.add_argument(
+        "--quantization", default=None,
+        help="int8 | int4 | int4_g128: quantize a float checkpoint's linear layers at load",
+    )  # fmt: skip
     g.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32 or bfloat16")
     g.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + answer in tokens"
@@ -79,6 +87,8 @@ def _engine_args(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "trust_remote_code": args.trust_remote_code,
+        "load_format": args.load_format,
+        "quantization": args.quantization,
         "compilation_config": {"custom_passes": args.custom_pass},
     }
 

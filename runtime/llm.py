@@ -26,7 +26,9 @@ from compilecore.config import (
     resolve_dtype,
 )
 from compilecore.cuda_graph import default_capture_sizes
-from models.default_model import ensure_default_model
+from models import gguf
+from models.default_model import ensure_default_model, find_gguf
+from models.layers.quantization import QuantizationConfig, quantization_config
 from models.loader import ModelLoadError, checkpoint_dtype, load_hf_config
 from models.registry import resolve_model_class
 from runtime.engine import LLMEngine
@@ -433,6 +435,7 @@ def build_engine_config(
     trust_remote_code: bool = False,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
+    load_format: str = "auto",
     swap_space: float = 4,
     disable_log_stats: bool = True,
 ) -> EngineConfig:
@@ -440,9 +443,10 @@ def build_engine_config(
     arguments are vLLM's EngineArgs of the same names; `swap_space` and
     `disable_log_stats` are accepted and change nothing (a preempted request is recomputed,
     as in vLLM V1, and the offline LLM logs no stats)."""
-    _check_vllm_only_args(kv_cache_dtype, quantization, swap_space, disable_log_stats)
-    model_dir = resolve_model_dir(model) if model is not None else ensure_default_model()
-    hf_config = load_hf_config(model_dir, trust_remote_code=trust_remote_code)
+    _check_vllm_only_args(kv_cache_dtype, swap_space, disable_log_stats)
+    model_dir = _model_path(model, load_format)
+    quant_config = _quant_config(model_dir, quantization)
+    hf_config = load_hf_config(config_dir(model_dir), trust_remote_code=trust_remote_code)
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     try:
         resolve_model_class(archs[0])
@@ -472,8 +476,9 @@ def build_engine_config(
             max_model_len=(
                 hf_config.max_position_embeddings if max_model_len is None else max_model_len
             ),
-            generation_config=_load_generation_config(model_dir),
+            generation_config=_load_generation_config(config_dir(model_dir)),
             seed=seed,
+            quant_config=quant_config,
         ),
         cache_config=CacheConfig(
             block_size=block_size,
@@ -495,7 +500,7 @@ def build_engine_config(
 # and never ignored in silence).
 # fmt: off
 _VLLM_ENGINE_ARGS = frozenset({
-    "revision", "code_revision", "tokenizer_revision", "download_dir", "load_format",
+    "revision", "code_revision", "tokenizer_revision", "download_dir",
     "config_format", "hf_config_path", "hf_overrides", "max_seq_len_to_capture",
     "disable_custom_all_reduce", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
     "lora_dtype", "fully_sharded_loras", "speculative_config", "num_scheduler_steps",
@@ -528,20 +533,52 @@ def _check_engine_arg_names(engine_args: dict[str, Any]) -> None:
         raise TypeError(f"LLM() got an unexpected engine argument {name!r}{hint}")
 
 
-def _check_vllm_only_args(
-    kv_cache_dtype: str, quantization: str | None, swap_space: float, disable_log_stats: bool
-) -> None:
+LOAD_FORMATS = ("auto", "gguf", "safetensors")
+
+
+def _model_path(model: str | None, load_format: str) -> Path:
+    """The model's folder or GGUF file. The default model is its shipped GGUF file, run
+    from its blocks; `load_format="safetensors"` takes its dequantized copy (bf16)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not supported: use one of {LOAD_FORMATS}")
+    if model is None:
+        if load_format == "safetensors":
+            return ensure_default_model()
+        return find_gguf()
+    path = resolve_model_dir(model)
+    if load_format == "gguf" and not gguf.is_gguf(path):
+        raise ValueError(f"load_format='gguf' needs a .gguf file, got {path}")
+    if load_format == "safetensors" and gguf.is_gguf(path):
+        raise ValueError(f"load_format='safetensors' needs a model folder, got {path}")
+    return path
+
+
+def config_dir(model: Path) -> Path:
+    """Where a model's config.json and tokenizer are: its folder, or for a GGUF file the
+    folder they were extracted to once (models/gguf.py)."""
+    return gguf.metadata_dir(model) if gguf.is_gguf(model) else model
+
+
+def _quant_config(model: Path, quantization: str | None) -> QuantizationConfig | None:
+    if gguf.is_gguf(model):
+        if quantization not in (None, "gguf"):
+            raise ValueError(
+                f"quantization={quantization!r} does not apply to {model.name}: a GGUF file is "
+                "quantized already (its blocks are kept); leave quantization=None or 'gguf'"
+            )
+        return gguf.quant_config(model)
+    if quantization == "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf file as the model, got {model}")
+    return quantization_config(quantization)
+
+
+def _check_vllm_only_args(kv_cache_dtype: str, swap_space: float, disable_log_stats: bool) -> None:
     """vLLM's arguments for what this engine does not have: their defaults pass, any
     other value says what is supported instead of being ignored."""
     if kv_cache_dtype != "auto":
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} is not supported: the KV cache is kept in the "
             "model's dtype; use 'auto'"
-        )
-    if quantization is not None:
-        raise ValueError(
-            f"quantization={quantization!r} is not supported: load bf16, fp16 or fp32 weights "
-            "and leave quantization=None"
         )
     if isinstance(swap_space, bool) or not isinstance(swap_space, (int, float)) or swap_space < 0:
         raise ValueError(f"swap_space must be a number of GiB >= 0, got {swap_space!r}")
@@ -589,6 +626,7 @@ def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
 def _load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
+    path = config_dir(Path(path))
     try:
         return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:

@@ -93,14 +93,21 @@ def save_checkpoint(
     return model
 
 
-def load_ours(model_dir: Path, dtype: torch.dtype = torch.float32, compilation_config=None):
-    """Our model loaded from `model_dir`, with the dense backend bound; eager unless a
-    compilation config is given."""
+def load_ours(
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    compilation_config=None,
+    quant_config=None,
+    hf_config=None,
+):
+    """Our model loaded from `model_dir` (a folder, or a GGUF file with its `hf_config`),
+    with the dense backend bound; eager unless a compilation config is given."""
     engine_config = EngineConfig.for_hf_config(
-        load_hf_config(model_dir),
+        hf_config or load_hf_config(model_dir),
         model=str(model_dir),
         dtype=dtype,
         compilation_config=compilation_config or CompilationConfig(mode="none"),
+        quant_config=quant_config,
     )
     model = load_model(engine_config)
     for layer in engine_config.compilation_config.static_forward_context.values():

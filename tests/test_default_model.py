@@ -88,6 +88,10 @@ PROMPTS = ["1, 2, 3, 4, 5, 6,", "The capital of France is", "Photosynthesis is t
 
 
 def _hf_bf16_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], int]:
+    return _hf_greedy_checked(hf, prompt, n, MARGIN)
+
+
+def _hf_greedy_checked(hf, prompt: list[int], n: int, margin: float) -> tuple[list[int], int]:
     """HF's greedy tokens and how many of them come before the first near tie."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
@@ -96,7 +100,7 @@ def _hf_bf16_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], int]:
             do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
         )  # fmt: skip
     top2 = [s[0].float().topk(2).values for s in out.scores]
-    checked = next((i for i, v in enumerate(top2) if v[0] - v[1] < MARGIN), n)
+    checked = next((i for i, v in enumerate(top2) if v[0] - v[1] < margin), n)
     return out.sequences[0, len(prompt) :].tolist(), checked
 
 
@@ -127,3 +131,57 @@ def test_benchmarked_bf16_config_matches_hf_bf16(default_model_dir, tmp_path):
     for out, (want, checked) in zip(outs, wanted * 4):
         assert out.outputs[0].token_ids[:checked] == want[:checked]
     assert isinstance(llm.llm_engine.runner.cpu_graphs[12], CpuGraph)
+
+
+# The shipped file run from its blocks (the default model's main path) against HF's fp32
+# dequantization of the same file (the converted folder holds exactly those values).
+GGUF_PROMPTS = PROMPTS + [
+    "The three primary colors are", "Water boils at a temperature of", "def add(a, b):",
+    "Once upon a time, in a small village,", "The largest planet in the solar system is",
+]  # fmt: skip
+# bf16 activations and int8 activations in the products (the integer path): HF fp32's top-2
+# closer than this may legitimately go either way.
+GGUF_MARGIN = 0.5
+
+
+def test_shipped_gguf_logits_match_hf_fp32(hf_default, chat_prompt):
+    """fp32 activations: the blocks are read in fp32, so the logits agree with HF's on
+    the dequantized weights within fp32 rounding."""
+    from models import gguf
+    from models.loader import load_hf_config
+
+    path = default_model.find_gguf()
+    hf_config = load_hf_config(gguf.metadata_dir(path))
+    ours, engine_config = load_ours(path, quant_config=gguf.quant_config(path),
+                                    hf_config=hf_config)  # fmt: skip
+    prompt = torch.tensor(chat_prompt)
+    got = packed_logits(ours, engine_config, [prompt])
+    want = hf_logits(hf_default, [prompt])
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
+def test_shipped_gguf_native_greedy_matches_hf_fp32(default_model_dir, hf_default, tmp_path):
+    """The default model as `LLM()` runs it (compiled, bf16, the quantized products in CPU
+    graphs at batch 1 and 8) against HF fp32 on the same weights, up to the first near
+    tie, on 8 prompts."""
+    from transformers import AutoTokenizer
+
+    from compilecore.cpu_graph import CpuGraph
+    from runtime import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    prompts = [tok.encode(p) for p in GGUF_PROMPTS]
+    hf_default.generation_config.eos_token_id = None
+    wanted = [_hf_greedy_checked(hf_default, p, 32, GGUF_MARGIN) for p in prompts]
+    assert sum(checked for _, checked in wanted) >= 40, "near ties too early: nothing to check"
+    llm = LLM(max_model_len=512, compilation_config={"cache_dir": str(tmp_path)})
+    assert llm.engine_config.model_config.quant_config.name == "gguf"
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for prompt, (want, checked) in zip(prompts, wanted):
+        got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got[:checked] == want[:checked]
+    assert isinstance(llm.llm_engine.runner.cpu_graphs[1], CpuGraph)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, (want, checked) in zip(outs, wanted):
+        assert out.outputs[0].token_ids[:checked] == want[:checked]
+    assert isinstance(llm.llm_engine.runner.cpu_graphs[8], CpuGraph)

@@ -56,6 +56,18 @@ def test_tp2_equals_one_process(tiny_llama, mqa_llama, which):
         llm.shutdown()
 
 
+def test_tp2_loads_slices_of_gguf_blocks(tiny_gguf, tokenizer_dir):
+    """Each rank loads its rows (column-parallel) or its whole groups of columns
+    (row-parallel) of the Q4_1 / Q4_0 blocks and the Q8_0 embedding's vocabulary rows."""
+    path, kwargs = str(tiny_gguf[0]), {"tokenizer": str(tokenizer_dir), "dtype": "float32"}
+    want = _tokens(LLM(path, enforce_eager=True, **kwargs))
+    llm = LLM(path, enforce_eager=True, tensor_parallel_size=2, **kwargs)
+    try:
+        assert _tokens(llm) == want
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
 def test_pipeline_parallel_equals_one_process(tiny_llama, tp, pp):
     want = _single(tiny_llama[0])

@@ -16,6 +16,13 @@ from compilecore.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from models.layers.quantization import (
+    QuantFormat,
+    QuantizationConfig,
+    make_quantized_params,
+    quant_fields,
+    quantize,
+)
 
 
 class ShapeMismatchError(ValueError):
@@ -57,10 +64,15 @@ class LinearBase(nn.Module):
         bias: bool,
         skip_bias_add: bool = False,
         params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
+        self.quant_config = quant_config
+        # The format of the fields this layer holds in place of `weight` (None: a float
+        # weight, also while one waits to be quantized after loading).
+        self.quant_format: QuantFormat | None = None
         self.skip_bias_add = skip_bias_add
         self.prefix = prefix
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -69,10 +81,16 @@ class LinearBase(nn.Module):
         self._has_bias = bias
 
     def _make_params(self, out_features: int, in_features: int) -> None:
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=self.params_dtype), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
+        fmt = self.quant_config.format_for(self.prefix) if self.quant_config else None
+        if fmt is not None and not self.quant_config.quantize_at_load:
+            make_quantized_params(self, fmt, out_features, in_features, self.weight_loader)
+            self.quant_format = fmt
+        else:
+            self.weight = nn.Parameter(
+                torch.empty(out_features, in_features, dtype=self.params_dtype),
+                requires_grad=False,
+            )
+            self.weight.weight_loader = self.weight_loader
         if self._has_bias:
             self.bias = nn.Parameter(
                 torch.empty(out_features, dtype=self.params_dtype), requires_grad=False
@@ -81,10 +99,29 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as the product reads it: the float weight, or its dequantization."""
+        if self.quant_format is None:
+            return self.weight
+        return self.quant_format.dequantize(quant_fields(self), self.params_dtype)
+
+    def process_weights_after_loading(self) -> None:
+        """Quantize the loaded float weight where the config asks for it at load."""
+        config = self.quant_config
+        fmt = config.format_for(self.prefix) if config and config.quantize_at_load else None
+        if fmt is None or self.quant_format is not None:
+            return
+        fields = quantize(self.weight.data, fmt)
+        del self.weight
+        for name, value in fields.items():
+            self.register_parameter(name, nn.Parameter(value, requires_grad=False))
+        self.quant_format = fmt
+
     def extra_repr(self) -> str:
+        quant = f", quant=q{self.quant_format.bits}" if self.quant_format else ""
         return (
             f"in={self.input_size}, out={self.output_size}, "
-            f"bias={self._has_bias}, tp={self.tp_size}"
+            f"bias={self._has_bias}, tp={self.tp_size}{quant}"
         )
 
 
@@ -98,7 +135,7 @@ class ReplicatedLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
-        return F.linear(x, self.weight, bias), (self.bias if self.skip_bias_add else None)
+        return F.linear(x, self.linear_weight(), bias), (self.bias if self.skip_bias_add else None)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -116,7 +153,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, self.weight, bias)
+        out = F.linear(x, self.linear_weight(), bias)
         if self.gather_output:
             out = tensor_model_parallel_all_gather(out, dim=-1)
         return out, (self.bias if self.skip_bias_add else None)
@@ -222,11 +259,11 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 1:  # bias: whole, added once after the reduction
             return default_weight_loader(param, loaded)
-        size = param.shape[1]
-        copy_checked(param.data, _shard(loaded, 1, self.tp_rank, size, self.input_size))
+        size = param.shape[1]  # of the weight's columns, or of a quantized field's
+        copy_checked(param.data, _shard(loaded, 1, self.tp_rank, size, size * self.tp_size))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = F.linear(x, self.weight)
+        out = F.linear(x, self.linear_weight())
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None and not self.skip_bias_add:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compilecore.parallel_state import tensor_model_parallel_all_gather
+from models.layers.quantization import quant_fields
 from models.layers.vocab_embedding import ParallelLMHead
 from passes.ops import gemv
 
@@ -46,7 +47,11 @@ class LogitsProcessor(nn.Module):
         # Not with a bias: a greedy step's batch-1 head may compute only the rows that can
         # win before the bias is added (passes/ops/gemv.py), and a bias can make another win.
         small = hidden_states.shape[0] <= self.SMALL_BATCH and lm_head.bias is None
-        if self.small_batch_gemv is not None and small:
+        if lm_head.quant_format is not None:  # fp32 logits, as the kernels below give
+            fields = quant_fields(lm_head)
+            logits = lm_head.quant_format.product(hidden_states, fields, lm_head.bias,
+                                                  torch.float32)  # fmt: skip
+        elif self.small_batch_gemv is not None and small:
             logits = self._small_batch(lm_head, hidden_states)
         elif self.linear is not None and lm_head.bias is None:
             logits = self.linear(hidden_states, lm_head.weight)

@@ -12,6 +12,12 @@ from compilecore.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from models.layers.linear import ShapeMismatchError, copy_checked
+from models.layers.quantization import (
+    QuantFormat,
+    QuantizationConfig,
+    make_quantized_params,
+    quant_fields,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,10 +27,12 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         *,
         params_dtype: torch.dtype | None = None,
+        quant_config: QuantizationConfig | None = None,
         prefix: str = "",
     ):
         super().__init__()
         self.prefix = prefix
+        self.params_dtype = params_dtype or torch.get_default_dtype()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -33,31 +41,41 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
-        self.weight = nn.Parameter(
-            torch.empty(
-                self.num_embeddings_per_partition,
-                embedding_dim,
-                dtype=params_dtype or torch.get_default_dtype(),
-            ),
-            requires_grad=False,
-        )
-        self.weight.weight_loader = self.weight_loader
+        # Only a checkpoint stored quantized (GGUF) quantizes the embedding and the head.
+        stored = quant_config is not None and not quant_config.quantize_at_load
+        self.quant_format: QuantFormat | None = quant_config.format_for(prefix) if stored else None
+        if self.quant_format is not None:
+            make_quantized_params(self, self.quant_format, self.num_embeddings_per_partition,
+                                  embedding_dim, self.weight_loader)  # fmt: skip
+        else:
+            self.weight = nn.Parameter(
+                torch.empty(self.num_embeddings_per_partition, embedding_dim,
+                            dtype=self.params_dtype),
+                requires_grad=False,
+            )  # fmt: skip
+            self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        # The weight, or (an LM head's) bias: both split by vocabulary rows.
-        full = (self.num_embeddings, self.embedding_dim)[: param.dim()]
+        # The weight (or a quantized field of it) or an LM head's bias: split by rows.
+        full = (self.num_embeddings, *param.shape[1:])
         if tuple(loaded.shape) != full:
             raise ShapeMismatchError(f"expected shape {full}, got {tuple(loaded.shape)}")
         rows = self.vocab_end - self.vocab_start
         copy_checked(param.data[:rows], loaded[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_format is None:
+            return F.embedding(ids, self.weight)
+        rows = [F.embedding(ids, f) for f in quant_fields(self)]  # each field's looked-up rows
+        return self.quant_format.dequantize(rows, self.params_dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = torch.where(outside, 0, input_ids - self.vocab_start)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        out = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)
 
     def extra_repr(self) -> str:
@@ -71,7 +89,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, **kw)
         if bias:
             self.bias = nn.Parameter(
-                torch.zeros(self.num_embeddings_per_partition, dtype=self.weight.dtype),
+                torch.zeros(self.num_embeddings_per_partition, dtype=self.params_dtype),
                 requires_grad=False,
             )
             self.bias.weight_loader = self.weight_loader
@@ -79,7 +97,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> ParallelLMHead:
-        self.weight = embed_tokens.weight
+        self.quant_format = embed_tokens.quant_format
+        if self.quant_format is None:
+            self.weight = embed_tokens.weight
+            return self
+        del self.weight
+        for name in self.quant_format.names():
+            self.register_parameter(name, getattr(embed_tokens, name))
         return self
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

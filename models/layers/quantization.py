@@ -1,0 +1,144 @@
+"""Weight quantization of linear layers and embeddings: which layers hold block-quantized
+weights (`QuantizationConfig`, vLLM's `quant_config`), in which format (`QuantFormat`),
+and how a layer holds, loads and dequantizes them.
+
+A quantized layer keeps its weight as the format's fields (`qweight`, `scales`, `mins`:
+passes/ops/quantized.py describes them), each row-sliced for tensor parallelism like the
+weight it replaces. Its forward reads `dequantize(...)` into the same `F.linear` as an
+unquantized layer: the traced graph shows `mm(x, dequantize(fields)^T)`, and the compiler
+decides how that runs (`passes/quantized_linear.py`, `passes/decompose_dequantize.py`).
+
+Two sources: a GGUF file's blocks (models/gguf.py: kept as stored), or a float
+checkpoint quantized when loaded (`quantization="int8"` per output channel,
+`"int4"` in groups of 32 or 128 with a scale and a minimum each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from passes.ops import quantized  # noqa: F401 - registers the dequantize ops
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    bits: int  # 4 (q4: scale and min per group) or 8 (q8: scale per group)
+    group: int  # values per scale; 0: one scale per row (per output channel)
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"block formats have 4 or 8 bits, not {self.bits}")
+
+    def group_size(self, cols: int) -> int:
+        return self.group or cols
+
+    def fields(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Each field's shape and dtype for a [rows, cols] weight."""
+        g = self.group_size(cols)
+        step = 32 if self.bits == 4 else 16  # the kernel's run of values
+        if cols % g or g % step:
+            raise ValueError(
+                f"a {self.bits}-bit weight of {cols} columns cannot be held in groups of {g} "
+                f"(the row must split into whole groups of a multiple of {step})"
+            )
+        scales = ((rows, cols // g), torch.float16)
+        if self.bits == 8:
+            return {"qweight": ((rows, cols), torch.int8), "scales": scales}
+        return {"qweight": ((rows, cols // 2), torch.uint8), "scales": scales, "mins": scales}
+
+    def names(self) -> tuple[str, ...]:
+        return ("qweight", "scales") if self.bits == 8 else ("qweight", "scales", "mins")
+
+    def dequantize(self, fields: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The values of `fields` (in `names()` order) in `dtype`."""
+        ops = torch.ops.compilecore
+        if self.bits == 8:
+            return ops.dequantize_q8(*fields, dtype)
+        return ops.dequantize_q4(*fields, dtype)
+
+    def product(self, x: torch.Tensor, fields: Sequence[torch.Tensor],
+                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                ) -> torch.Tensor:  # fmt: skip
+        """x @ values^T (+ bias) read straight from the blocks (the LM head's product,
+        which runs outside compiled code)."""
+        ops = torch.ops.compilecore
+        product = ops.q8_linear if self.bits == 8 else ops.q4_linear
+        return product(x, *fields, bias, out_dtype)
+
+
+def quant_fields(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    """A quantized module's fields, in its format's `names()` order."""
+    return tuple(getattr(module, name) for name in module.quant_format.names())
+
+
+@dataclass
+class QuantizationConfig:
+    """`name`: vLLM's `quantization` value. `formats`: layer prefix -> its format, for a
+    checkpoint stored quantized (GGUF); `default`: the format of every linear layer that
+    `formats` does not name, for a float checkpoint quantized when loaded."""
+
+    name: str
+    default: QuantFormat | None = None
+    formats: dict[str, QuantFormat] = field(default_factory=dict)
+
+    @property
+    def quantize_at_load(self) -> bool:
+        return self.default is not None
+
+    def format_for(self, prefix: str) -> QuantFormat | None:
+        return self.formats.get(prefix, self.default)
+
+
+# quantization= on a float checkpoint -> the linear layers' format.
+AT_LOAD = {
+    "int8": QuantFormat(8, 0),  # per output channel
+    "int4": QuantFormat(4, 32),
+    "int4_g128": QuantFormat(4, 128),
+}
+
+
+def quantization_config(name: str | None) -> QuantizationConfig | None:
+    """The config for `LLM(quantization=name)` on a float checkpoint."""
+    if name is None:
+        return None
+    if name in AT_LOAD:
+        return QuantizationConfig(name, AT_LOAD[name])
+    raise ValueError(
+        f"quantization={name!r} is not supported: use 'int8' (per output channel), 'int4' "
+        "(groups of 32, a scale and a minimum each) or 'int4_g128' on a float checkpoint, or "
+        "pass a .gguf file as the model (its Q8_0, Q4_0 and Q4_1 blocks are kept; other "
+        "types are dequantized)"
+    )
+
+
+def make_quantized_params(module: nn.Module, fmt: QuantFormat, rows: int, cols: int,
+                          loader) -> None:  # fmt: skip
+    """Register `fmt`'s fields on `module` as parameters, each loaded by `loader`."""
+    for name, (shape, dtype) in fmt.fields(rows, cols).items():
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        param.weight_loader = loader
+        module.register_parameter(name, param)
+
+
+def quantize(weight: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
+    """A float weight [rows, cols] in `fmt`'s fields (round to nearest; the scales are
+    fp16, and the values are quantized against the rounded scales)."""
+    rows, cols = weight.shape
+    g = fmt.group_size(cols)
+    w = weight.float().reshape(rows, cols // g, g)
+    if fmt.bits == 8:
+        scales = (w.abs().amax(-1) / 127).half()
+        s = scales.float().unsqueeze(-1)
+        q = torch.where(s > 0, w / s, 0).round().clamp(-127, 127).to(torch.int8)
+        return {"qweight": q.reshape(rows, cols), "scales": scales}
+    low, high = w.amin(-1), w.amax(-1)
+    scales, mins = ((high - low) / 15).half(), low.half()
+    s, m = scales.float().unsqueeze(-1), mins.float().unsqueeze(-1)
+    q = torch.where(s > 0, (w - m) / s, 0).round().clamp(0, 15).to(torch.uint8)
+    runs = q.reshape(rows, cols // 32, 2, 16)  # GGUF's order: j and j + 16 share a byte
+    packed = runs[:, :, 0] | (runs[:, :, 1] << 4)
+    return {"qweight": packed.reshape(rows, cols // 2), "scales": scales, "mins": mins}

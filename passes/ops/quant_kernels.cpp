@@ -1,0 +1,345 @@
+// Products with block-quantized weights for a few activation rows:
+// y [M, N] = x [M, K] @ dequantize(w)^T (+ bias); `flags` bit 0: x and bias are bf16 (else
+// fp32), bit 1: y is bf16 (else fp32).
+//
+// The two weight formats (passes/ops/quantized.py holds their torch reference):
+//   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
+//       and value j + 16 in its high one (GGUF's Q4_0 / Q4_1 order); scales and mins fp16
+//       [N, K/g]; value = scale * q + min. GGUF Q4_1 as stored, Q4_0 with min = -8 scale.
+//   q8: w int8 [N, K], scales fp16 [N, K/g]; value = scale * q. GGUF Q8_0 (g = 32) and
+//       int8 per output channel (g = K).
+// Every value is dequantized in fp32 exactly as the reference does (scale * q is exact in
+// fp32, one rounding for the min), and products accumulate in fp32: the result differs
+// from the reference's fp32 product only by summation order. Activations are never
+// quantized.
+//
+// Like layer_kernels.cpp, each `*_team` function runs on every thread of a parallel region
+// and takes its share of the weight rows (one sequential weight stream a thread), so a CPU
+// graph can call it inside one OpenMP team; `*_region` opens a region for eager calls.
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef uint16_t bf16;
+typedef uint16_t f16;
+
+inline float bits_f32(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_f32(bf16 v) { return bits_f32(uint32_t(v) << 16); }
+
+inline bf16 f32_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16((bits >> 16) | 0x40);  // NaN stays NaN
+  return bf16((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float f16_f32(f16 h) {  // IEEE half -> float, subnormals included
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (man << 13));
+  if (exp != 0) return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+  const float sub = float(man) * (1.f / 16777216.f);  // man * 2^-24
+  return sign ? -sub : sub;
+}
+
+// [begin, end) of n items for this thread.
+inline void share(int64_t n, int64_t& begin, int64_t& end) {
+  const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+  begin = n * t / T;
+  end = n * (t + 1) / T;
+}
+
+// A thread's fp32 scratch of at least n floats (grows, never shrinks).
+inline float* scratch(int64_t n) {
+  thread_local float* buf = nullptr;
+  thread_local int64_t size = 0;
+  if (n > size) {
+    delete[] buf;
+    buf = new float[n];
+    size = n;
+  }
+  return buf;
+}
+
+inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
+  if (!bf) {
+    std::memcpy(out, x, n * sizeof(float));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_f32(static_cast<const bf16*>(x)[i]);
+}
+
+// Up to 4 rows of x at a time against one weight row: MB accumulators of 16 lanes.
+constexpr int MB_MAX = 4;
+
+#if defined(__AVX512F__)
+// The 32 values of one q4 run as two vectors (values 0-15, 16-31): the run's 16 possible
+// values are a table indexed by the nibbles (vpermps reads an index's low 4 bits).
+inline void q4_run(const uint8_t* q, __m512 table, __m512& lo, __m512& hi) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  lo = _mm512_permutexvar_ps(bytes, table);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+
+inline __m512 q8_16(const int8_t* q, __m512 scale) {
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(v), scale);
+}
+
+template <int MB>
+inline void fma_rows(__m512 (&acc)[MB_MAX], __m512 w, const float* x, int64_t K, int64_t k) {
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k), acc[m]);
+}
+
+// out[m] = x[m] . dequantize(row) for MB rows of x [*, K] (fp32).
+template <int MB, bool Q4>
+inline void row_product(const float* x, int64_t K, int64_t g, const void* wrow, const f16* s,
+                        const f16* mn, float* out) {
+  __m512 acc[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t gi = 0, k0 = 0; k0 < K; ++gi, k0 += g) {
+    const __m512 scale = _mm512_set1_ps(_cvtsh_ss(s[gi]));
+    if constexpr (Q4) {
+      const __m512 table = _mm512_fmadd_ps(iota, scale, _mm512_set1_ps(_cvtsh_ss(mn[gi])));
+      for (int64_t k = k0; k < k0 + g; k += 32) {
+        __m512 lo, hi;
+        q4_run(static_cast<const uint8_t*>(wrow) + k / 2, table, lo, hi);
+        fma_rows<MB>(acc, lo, x, K, k);
+        fma_rows<MB>(acc, hi, x, K, k + 16);
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + g; k += 16)
+        fma_rows<MB>(acc, q8_16(static_cast<const int8_t*>(wrow) + k, scale), x, K, k);
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#else
+template <int MB, bool Q4>
+inline void row_product(const float* x, int64_t K, int64_t g, const void* wrow, const f16* s,
+                        const f16* mn, float* out) {
+  float acc[MB_MAX] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t gi = k / g;
+    float w;
+    if constexpr (Q4) {
+      const uint8_t byte = static_cast<const uint8_t*>(wrow)[(k / 32) * 16 + (k % 16)];
+      const int q = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
+      w = float(q) * f16_f32(s[gi]) + f16_f32(mn[gi]);
+    } else {
+      w = float(static_cast<const int8_t*>(wrow)[k]) * f16_f32(s[gi]);
+    }
+    for (int m = 0; m < MB; ++m) acc[m] += w * x[m * K + k];
+  }
+  for (int m = 0; m < MB; ++m) out[m] = acc[m];
+}
+#endif
+
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The integer path for runs of 32 (g = 32): activations quantized to int8 per run of 32
+// (scale = max |x| / 127, as llama.cpp's Q8_1 does for its integer dot products), 64
+// products per VNNI instruction, one fp32 scale per run. What one row of x becomes.
+struct QuantRow {
+  int8_t* q;      // [K]
+  float* scale;   // [K/32]: the run's activation scale
+  float* sum;     // [K/32]: the run's sum of x (fp32, for q4's mins)
+  int32_t* bias;  // [K/4]: -128 * each 4 values' sum of q (q8: weights offset to unsigned)
+};
+
+inline void quantize_row(const float* x, int64_t K, QuantRow r) {
+  for (int64_t run = 0; run < K / 32; ++run) {
+    const __m512 a = _mm512_loadu_ps(x + run * 32), b = _mm512_loadu_ps(x + run * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+    const __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q + run * 32), qa);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q + run * 32 + 16), qb);
+    r.scale[run] = amax / 127.f;
+    r.sum[run] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  }
+  const __m512i offset = _mm512_set1_epi8(char(0x80));
+  for (int64_t k = 0; k < K; k += 64) {  // K is a multiple of 64 here
+    const __m512i v = _mm512_loadu_si512(r.q + k);
+    const __m512i c = _mm512_dpbusd_epi32(_mm512_setzero_si512(), offset, v);
+    _mm512_storeu_si512(r.bias + k / 4, _mm512_sub_epi32(_mm512_setzero_si512(), c));
+  }
+}
+
+// 64 weights (two runs) as unsigned bytes in x's order: q4's nibbles, or q8 + 128.
+template <bool Q4>
+inline __m512i unsigned64(const void* w, int64_t k) {
+  if constexpr (Q4) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const uint8_t*>(w) + k / 2));
+    const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                                   _mm512_castsi256_si512(q));
+    const __m512i shifted = _mm512_srlv_epi64(twice, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0f));
+  } else {
+    const __m512i q = _mm512_loadu_si512(static_cast<const int8_t*>(w) + k);
+    return _mm512_xor_si512(q, _mm512_set1_epi8(char(0x80)));
+  }
+}
+
+// out[m] = xq[m] . row for MB quantized rows; K a multiple of 64, g = 32.
+template <int MB, bool Q4>
+inline void row_product_int8(const QuantRow* rows, int64_t K, const void* wrow, const f16* s,
+                             const f16* mn, float* out) {
+  __m512 acc[MB_MAX], mins[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
+  const int64_t runs = K / 32;
+  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
+    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
+    const __mmask16 live = __mmask16((1u << n) - 1);
+    const __m512 sw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s + r0));
+    __m512 comb[MB_MAX];
+    for (int m = 0; m < MB; ++m) {
+      comb[m] = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(live, rows[m].scale + r0));
+      if constexpr (Q4)
+        mins[m] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + r0)),
+                                  _mm512_maskz_loadu_ps(live, rows[m].sum + r0), mins[m]);
+    }
+    for (int64_t p = 0; p < n; p += 2) {  // a pair of runs: lanes 0-7 and 8-15
+      const int64_t k = (r0 + p) * 32;
+      const __m512i wu = unsigned64<Q4>(wrow, k);
+      const __m512i pick = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1,
+                                             p + 1, p + 1, p + 1, p + 1);
+      for (int m = 0; m < MB; ++m) {
+        const __m512i start = Q4 ? _mm512_setzero_si512()
+                                 : _mm512_loadu_si512(rows[m].bias + k / 4);
+        const __m512i dot = _mm512_dpbusd_epi32(start, wu, _mm512_loadu_si512(rows[m].q + k));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, comb[m]),
+                                 acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
+}
+#define CC_INT8_PATH 1
+#else
+#define CC_INT8_PATH 0
+#endif
+
+// y[m, n] = out[m] (+ bias[n]), the bias added in fp32 with one rounding (as addmm).
+inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n, int64_t m0,
+                  int64_t mb, const float* out) {
+  float b = 0.f;
+  if (bias) b = flags & 1 ? bf16_f32(static_cast<const bf16*>(bias)[n])
+                          : static_cast<const float*>(bias)[n];
+  for (int64_t m = 0; m < mb; ++m) {
+    const int64_t at = (m0 + m) * N + n;
+    if (flags & 2) static_cast<bf16*>(y)[at] = f32_bf16(out[m] + b);
+    else static_cast<float*>(y)[at] = out[m] + b;
+  }
+}
+
+// Whether a call takes the integer path: bf16 activations (already 8 significant bits),
+// runs of 32 and a CPU with AVX512-VNNI. fp32 activations keep the exact path.
+inline bool int8_path(int64_t bf, int64_t K, int64_t g) {
+  return CC_INT8_PATH && bf && g == 32 && K % 64 == 0;
+}
+
+template <bool Q4>
+void product_team(const void* x, int64_t flags, const void* w, const f16* scales, const f16* mins,
+                  const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
+  const int64_t bf = flags & 1;
+  const bool integer = int8_path(bf, K, g);
+  // fp32 x [M, K]; for the integer path also each row's QuantRow (K/4 floats hold K int8s).
+  const int64_t per_row = integer ? K / 4 + 2 * (K / 32) + K / 4 : 0;
+  float* xf = scratch(M * (K + per_row));
+  load_rows(x, bf, xf, M * K);
+#if CC_INT8_PATH
+  auto row_at = [&](int64_t m) {
+    float* base = xf + M * K + m * per_row;
+    return QuantRow{reinterpret_cast<int8_t*>(base), base + K / 4, base + K / 4 + K / 32,
+                    reinterpret_cast<int32_t*>(base + K / 4 + 2 * (K / 32))};
+  };
+  if (integer)
+    for (int64_t m = 0; m < M; ++m) quantize_row(xf + m * K, K, row_at(m));
+#endif
+  int64_t begin, end;
+  share(N, begin, end);
+  const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
+  for (int64_t n = begin; n < end; ++n) {
+    const char* wrow = static_cast<const char*>(w) + n * row_bytes;
+    const f16 *s = scales + n * groups, *mn = Q4 ? mins + n * groups : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
+      float out[MB_MAX];
+      const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
+      const float* xm = xf + m0 * K;
+#if CC_INT8_PATH
+      if (integer) {
+        QuantRow rm[MB_MAX];
+        for (int64_t m = 0; m < mb; ++m) rm[m] = row_at(m0 + m);
+        if (mb == 4) row_product_int8<4, Q4>(rm, K, wrow, s, mn, out);
+        else if (mb == 3) row_product_int8<3, Q4>(rm, K, wrow, s, mn, out);
+        else if (mb == 2) row_product_int8<2, Q4>(rm, K, wrow, s, mn, out);
+        else row_product_int8<1, Q4>(rm, K, wrow, s, mn, out);
+        store(y, flags, bias, N, n, m0, mb, out);
+        continue;
+      }
+#endif
+      if (mb == 4) row_product<4, Q4>(xm, K, g, wrow, s, mn, out);
+      else if (mb == 3) row_product<3, Q4>(xm, K, g, wrow, s, mn, out);
+      else if (mb == 2) row_product<2, Q4>(xm, K, g, wrow, s, mn, out);
+      else row_product<1, Q4>(xm, K, g, wrow, s, mn, out);
+      store(y, flags, bias, N, n, m0, mb, out);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t quant_kernels_available() { return 1; }  // a portable loop where AVX-512 is missing
+
+// 0: the portable loop; 1: AVX-512 in fp32; 2: also the integer path for bf16 activations.
+int64_t quant_kernels_vectorized() {
+#if CC_INT8_PATH
+  return 2;
+#elif defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+void q4_linear_team(const void* x, int64_t flags, const void* w, const f16* scales,
+                    const f16* mins, const void* bias, void* y, int64_t M, int64_t N, int64_t K,
+                    int64_t g) {
+  product_team<true>(x, flags, w, scales, mins, bias, y, M, N, K, g);
+}
+
+void q8_linear_team(const void* x, int64_t flags, const void* w, const f16* scales,
+                    const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
+  product_team<false>(x, flags, w, scales, nullptr, bias, y, M, N, K, g);
+}
+
+void q4_linear_region(const void* x, int64_t flags, const void* w, const f16* scales,
+                      const f16* mins, const void* bias, void* y, int64_t M, int64_t N,
+                      int64_t K, int64_t g, int64_t threads) {
+#pragma omp parallel num_threads(threads)
+  product_team<true>(x, flags, w, scales, mins, bias, y, M, N, K, g);
+}
+
+void q8_linear_region(const void* x, int64_t flags, const void* w, const f16* scales,
+                      const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g,
+                      int64_t threads) {
+#pragma omp parallel num_threads(threads)
+  product_team<false>(x, flags, w, scales, nullptr, bias, y, M, N, K, g);
+}
+
+}  // extern "C"

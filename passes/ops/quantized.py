@@ -1,0 +1,207 @@
+"""Block-quantized weights: the two formats, their dequantization (the reference every
+quantized product is checked against), and the products that read them directly.
+
+Formats (planar, one tensor per field, so that a tensor-parallel slice of output rows is a
+slice of each field, and a slice of input columns one of whole groups):
+
+- q4: `w` uint8 [N, K/2], in each run of 32 values byte j holds value j (low nibble) and
+  value j + 16 (high nibble), GGUF's order; `scales`, `mins` fp16 [N, K/g];
+  value = scale * q + min. GGUF Q4_1 as stored; Q4_0 is min = -8 scale; int4 groups.
+- q8: `w` int8 [N, K], `scales` fp16 [N, K/g]; value = scale * q. GGUF Q8_0 (g = 32),
+  int8 per output channel (g = K).
+
+Ops (namespace `compilecore`): `dequantize_q4`, `dequantize_q8` (what a quantized linear
+layer traces as: `mm(x, dequantize(...)^T)`, visible in every dump), and `q4_linear`,
+`q8_linear`: the product read straight from the blocks (`quant_kernels.cpp`), which
+`passes/quantized_linear.py` puts in place of that pair for a few static rows. Where
+no pass fires, `passes/decompose_dequantize.py` hands Inductor the reference's plain ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from passes import native
+from passes.native import NativeCall
+
+RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
+# Rows up to which the products read the blocks directly; more rows (a prefill) are
+# compute-bound and dequantize once to run the dense product.
+MAX_KERNEL_ROWS = 16
+
+
+def dequantize_q4_ref(
+    w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """q4 blocks [..., K/2] -> values [..., K] in `dtype`, computed in fp32."""
+    lead, half = w.shape[:-1], w.shape[-1]
+    runs = w.reshape(*lead, half // (RUN // 2), 1, RUN // 2)
+    # Low nibbles then high ones, as one broadcast shift (Inductor fuses it; a stack of two
+    # halves would be a concatenation it materializes).
+    shifts = (torch.arange(2, dtype=torch.uint8, device=w.device) * 4).unsqueeze(-1)
+    q = ((runs >> shifts) & 15).reshape(*lead, scales.shape[-1], -1)
+    values = q.float() * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
+    return values.reshape(*lead, 2 * half).to(dtype)
+
+
+def dequantize_q8_ref(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q8 blocks [..., K] -> values [..., K] in `dtype`, computed in fp32."""
+    lead, k = w.shape[:-1], w.shape[-1]
+    q = w.reshape(*lead, scales.shape[-1], -1)
+    return (q.float() * scales.float().unsqueeze(-1)).reshape(*lead, k).to(dtype)
+
+
+def dequantized_dtype(match: object) -> torch.dtype | None:
+    """The dtype a pattern match's dequantize op produces (the pattern matcher ignores
+    dtype arguments when matching, so patterns registered per dtype check it)."""
+    ops = (torch.ops.compilecore.dequantize_q4.default, torch.ops.compilecore.dequantize_q8.default)
+    for node in getattr(match, "nodes", ()):
+        if node.target in ops:
+            return node.args[-1]
+    return None
+
+
+@functools.cache
+def _kernel() -> ctypes.CDLL | None:
+    lib = native.load_op_kernel(Path(__file__).with_name("quant_kernels.cpp"),
+                                "quant_kernels_available")  # fmt: skip
+    if lib is None:
+        return None
+    for name, count in (("q4_linear", 11), ("q8_linear", 10)):
+        for suffix, extra in (("team", 0), ("region", 1)):
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes, fn.restype = [ctypes.c_int64] * (count + extra), None
+    return lib
+
+
+def available() -> bool:
+    """Whether the quantized products run their C kernel here (a C compiler)."""
+    return _kernel() is not None
+
+
+def vectorized() -> bool:
+    """Whether that kernel is the AVX-512 one (the portable loop otherwise)."""
+    lib = _kernel()
+    return lib is not None and bool(lib.quant_kernels_vectorized())
+
+
+def _product_call(
+    name: str, x: torch.Tensor, w: torch.Tensor, fields: tuple, bias: torch.Tensor | None,
+    y: torch.Tensor,
+) -> NativeCall | None:  # fmt: skip
+    """The kernel's call for y = x @ dequantize(w, *fields)^T (+ bias), or None where it
+    does not apply (a GPU, another dtype, a strided input, many rows, no compiler)."""
+    tensors = (x, w, *fields, y) + (() if bias is None else (bias,))
+    floats = (torch.float32, torch.bfloat16)
+    if (
+        x.dim() != 2
+        or x.shape[0] > MAX_KERNEL_ROWS
+        or x.dtype not in floats
+        or y.dtype not in floats
+        or (bias is not None and bias.dtype != x.dtype)
+        or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+        or (lib := _kernel()) is None
+    ):
+        return None
+    m, k = x.shape
+    n, groups = w.shape[0], fields[0].shape[-1]
+    flags = int(x.dtype == torch.bfloat16) | 2 * int(y.dtype == torch.bfloat16)
+    args = (x, flags, w, *fields, 0 if bias is None else bias, y, m, n, k, k // groups)
+    team, region = getattr(lib, f"{name}_team"), getattr(lib, f"{name}_region")
+    return NativeCall(
+        native.function_address(team), args, f"compilecore.{name}", torch.get_num_threads(),
+        region,
+    )  # fmt: skip
+
+
+def _q4_call(args: tuple, out: torch.Tensor) -> NativeCall | None:
+    x, w, scales, mins, bias = (*args, None)[:5]
+    return _product_call("q4_linear", x, w, (scales, mins), bias, out)
+
+
+def _q8_call(args: tuple, out: torch.Tensor) -> NativeCall | None:
+    x, w, scales, bias = (*args, None)[:4]
+    return _product_call("q8_linear", x, w, (scales,), bias, out)
+
+
+def _product_ref(x, weight, bias, out_dtype):
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(out_dtype)
+
+
+def q4_linear_ref(x, w, scales, mins, bias=None, out_dtype=None):
+    """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias), in `out_dtype` (x's)."""
+    dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
+    return _product_ref(x, dequantize_q4_ref(w, scales, mins, dtype), bias, out_dtype)
+
+
+def q8_linear_ref(x, w, scales, bias=None, out_dtype=None):
+    dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
+    return _product_ref(x, dequantize_q8_ref(w, scales, dtype), bias, out_dtype)
+
+
+def q4_linear(x, w, scales, mins, bias=None, out_dtype=None):
+    y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
+    call = _q4_call((x, w, scales, mins, bias), y)
+    if call is None:
+        return q4_linear_ref(x, w, scales, mins, bias, out_dtype)
+    call.run()
+    return y
+
+
+def q8_linear(x, w, scales, bias=None, out_dtype=None):
+    y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
+    call = _q8_call((x, w, scales, bias), y)
+    if call is None:
+        return q8_linear_ref(x, w, scales, bias, out_dtype)
+    call.run()
+    return y
+
+
+def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
+
+
+def _fake_q8(x, w, scales, bias=None, out_dtype=None):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
+
+
+def _fake_dequantize_q4(w, scales, mins, dtype):
+    return w.new_empty(*w.shape[:-1], 2 * w.shape[-1], dtype=dtype)
+
+
+def _fake_dequantize_q8(w, scales, dtype):
+    return w.new_empty(w.shape, dtype=dtype)
+
+
+# Through `torch.library.Library` (no Python wrapper per call; NOTES section 9).
+_LIB = torch.library.Library("compilecore", "FRAGMENT")
+_LIB.define("dequantize_q4(Tensor w, Tensor scales, Tensor mins, ScalarType dtype) -> Tensor")
+_LIB.define("dequantize_q8(Tensor w, Tensor scales, ScalarType dtype) -> Tensor")
+_LIB.define(
+    "q4_linear(Tensor x, Tensor w, Tensor scales, Tensor mins, Tensor? bias=None, "
+    "ScalarType? out_dtype=None) -> Tensor"
+)
+_LIB.define(
+    "q8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias=None, "
+    "ScalarType? out_dtype=None) -> Tensor"
+)
+for _device in ("CPU", "CUDA"):
+    _LIB.impl("dequantize_q4", dequantize_q4_ref, _device)
+    _LIB.impl("dequantize_q8", dequantize_q8_ref, _device)
+_LIB.impl("q4_linear", q4_linear, "CPU")
+_LIB.impl("q8_linear", q8_linear, "CPU")
+_LIB.impl("q4_linear", q4_linear_ref, "CUDA")
+_LIB.impl("q8_linear", q8_linear_ref, "CUDA")
+torch.library.register_fake("compilecore::dequantize_q4", _fake_dequantize_q4, lib=_LIB)
+torch.library.register_fake("compilecore::dequantize_q8", _fake_dequantize_q8, lib=_LIB)
+torch.library.register_fake("compilecore::q4_linear", _fake_q4, lib=_LIB)
+torch.library.register_fake("compilecore::q8_linear", _fake_q8, lib=_LIB)
+native.declare_entry("compilecore::q4_linear", _q4_call)
+native.declare_entry("compilecore::q8_linear", _q8_call)

@@ -1,0 +1,248 @@
+"""Quantized weights: the block formats against gguf-py (llama.cpp's own reference
+quantizer and dequantizer), the products that read blocks against the dequantized
+reference, the passes that rewrite `mm(x, dequantize(...)^T)`, GGUF files and int8/int4
+at load against HF transformers on the same dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import quants
+from hypothesis import given
+from hypothesis import strategies as st
+
+from compilecore import testing
+from compilecore.testing import count_ops
+from models import gguf
+from models.layers.quantization import AT_LOAD, QuantFormat, quantization_config, quantize
+from models.loader import load_hf_config
+from passes.decompose_dequantize import DecomposeDequantizePass
+from passes.ops import quantized
+from passes.quantized_linear import QuantizedLinearPass
+from tests.gguf_files import Q
+from tests.helpers import TOKENIZER_VOCAB, hf_logits, load_ours, packed_logits
+
+ops = torch.ops.compilecore
+
+
+def _q4_fields(g, n, k, group=32):
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(n, k // group, generator=g) * 0.05).half()
+    mins = (-torch.rand(n, k // group, generator=g) * 0.4).half()
+    return w, scales, mins
+
+
+def _q8_fields(g, n, k, group=32):
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    return w, (torch.rand(n, k // group, generator=g) * 0.01).half()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def test_gguf_blocks_dequantize_as_gguf_py_does(qtype):
+    """Our fields of a GGUF tensor dequantize to exactly gguf-py's values."""
+    w = np.random.default_rng(0).normal(size=(6, 96)).astype(np.float32)
+    blocks = quants.quantize(w, qtype)
+    fields = gguf._blocks(torch.from_numpy(blocks), qtype)
+    if qtype == Q.Q8_0:
+        got = quantized.dequantize_q8_ref(fields["qweight"], fields["scales"], torch.float32)
+    else:
+        args = (fields["qweight"], fields["scales"], fields["mins"])
+        got = quantized.dequantize_q4_ref(*args, torch.float32)
+    assert torch.equal(got, torch.from_numpy(quants.dequantize(blocks, qtype)))
+
+
+@testing.settings(max_examples=25)
+@given(
+    rows=st.integers(1, 20), n=st.integers(1, 40), runs=st.integers(1, 6),
+    bits=st.sampled_from([4, 8]), per_channel=st.booleans(), bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_channel, bias,
+                                                       seed):  # fmt: skip
+    """fp32 activations stay in fp32: the product read from blocks equals the fp32
+    reference up to summation order, for any row count (the kernel's up to 16, the
+    reference's beyond), tails and a whole-row group."""
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * runs
+    group = k if per_channel and bits == 8 else 32
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    if bits == 4:
+        fields = _q4_fields(g, n, k)
+        got = ops.q4_linear(x, *fields, b)
+        want = F.linear(x.double(), quantized.dequantize_q4_ref(*fields, torch.float64),
+                        None if b is None else b.double())  # fmt: skip
+    else:
+        fields = _q8_fields(g, n, k, group)
+        got = ops.q8_linear(x, *fields, b)
+        want = F.linear(x.double(), quantized.dequantize_q8_ref(*fields, torch.float64),
+                        None if b is None else b.double())  # fmt: skip
+    scale = (x.double().abs() @ quantized.dequantize_q8_ref(fields[0], fields[1], torch.float64)
+             .abs().T).max().item() if bits == 8 else want.abs().max().item()  # fmt: skip
+    assert (got.double() - want).abs().max().item() <= 1e-5 * max(scale, 1.0)
+
+
+@testing.settings(max_examples=15)
+@given(rows=st.integers(1, 16), n=st.integers(1, 40), runs=st.sampled_from([2, 4, 18]),
+       bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_bf16_products_stay_within_the_activation_quantization_bound(rows, n, runs, bits, seed):
+    """bf16 activations may take the integer path (AVX512-VNNI): each run of 32
+    activations is quantized to int8 against its largest magnitude / 127, as llama.cpp
+    does. Each output is then within sum over runs of (max |x| in the run / 254) * sum
+    |w| over the run, plus the output's bf16 rounding, of the exact product."""
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * runs
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    if bits == 4:
+        fields = _q4_fields(g, n, k)
+        got, w = ops.q4_linear(x, *fields), quantized.dequantize_q4_ref(*fields, torch.float64)
+    else:
+        fields = _q8_fields(g, n, k)
+        got, w = ops.q8_linear(x, *fields), quantized.dequantize_q8_ref(*fields, torch.float64)
+    xd = x.double()
+    want = xd @ w.T
+    run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
+    run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
+    bound = (run_max / 254) @ run_w.T * 1.001 + want.abs() * 2**-8 + 1e-6
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("name", sorted(AT_LOAD))
+def test_quantize_at_load_rounds_to_nearest(name):
+    fmt = AT_LOAD[name]
+    w = torch.randn(24, 256) * 0.1
+    fields = quantize(w, fmt)
+    names = fmt.names()
+    assert tuple(fields) == names
+    got = (quantized.dequantize_q8_ref if fmt.bits == 8 else quantized.dequantize_q4_ref)(
+        *fields.values(), torch.float32
+    )
+    group = fmt.group_size(256)
+    step = fields["scales"].float().repeat_interleave(group, dim=1)
+    assert bool(((got - w).abs() <= step / 2 * 1.001 + 1e-7).all())
+
+
+def test_unknown_quantization_is_refused_with_what_is_supported():
+    with pytest.raises(ValueError, match="'int8'.*'int4'"):
+        quantization_config("fp8")
+    with pytest.raises(ValueError, match="groups"):
+        QuantFormat(4, 48).fields(4, 96)
+
+
+def _linear(fields, bits, dtype):
+    dequantize = ops.dequantize_q4 if bits == 4 else ops.dequantize_q8
+
+    def fn(x):
+        return F.linear(x, dequantize(*fields, dtype))
+
+    return fn
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_pass_takes_static_rows(bits, dtype):
+    g = torch.Generator().manual_seed(0)
+    fields = _q4_fields(g, 48, 128) if bits == 4 else _q8_fields(g, 48, 128)
+    fn = _linear(fields, bits, dtype)
+    x = torch.randn(3, 128, generator=g).to(dtype)
+    backend = testing.check_pass(QuantizedLinearPass(), fn, x, dynamic=False,
+                                 rtol=None if dtype == torch.float32 else 0.05)  # fmt: skip
+    product = ops.q4_linear if bits == 4 else ops.q8_linear
+    assert backend.matches("quantized_linear") == 1
+    assert count_ops(backend.graph_after, product) == 1
+    assert count_ops(backend.graph_after, torch.ops.aten.mm) == 0
+
+
+@pytest.mark.parametrize("rows", [5, 40])
+def test_quantized_linear_pass_takes_symbolic_rows(rows):
+    """The symbolic token count's code too: the op reads blocks for up to 16 rows and
+    dequantizes into a dense GEMM beyond (checked against eager at both)."""
+    g = torch.Generator().manual_seed(0)
+    fn = _linear(_q4_fields(g, 48, 128), 4, torch.float32)
+    backend = testing.check_pass(QuantizedLinearPass(), fn, torch.randn(rows, 128, generator=g))
+    assert backend.matches("quantized_linear") == 1
+
+
+def test_decompose_dequantize_hands_inductor_plain_ops():
+    """Where no product op takes it (native kernels off, the embedding's lookup), the
+    dequantization becomes the reference's aten ops."""
+    g = torch.Generator().manual_seed(0)
+    fn = _linear(_q4_fields(g, 48, 128), 4, torch.float32)
+    backend = testing.check_pass(DecomposeDequantizePass(), fn, torch.randn(5, 128, generator=g))
+    assert backend.matches("decompose_dequantize") == 1
+    assert count_ops(backend.graph_after, ops.dequantize_q4) == 0
+    assert count_ops(backend.graph_after, torch.ops.aten.bitwise_and) == 1
+
+
+def test_gguf_layers_keep_their_blocks(tiny_gguf):
+    config = gguf.quant_config(tiny_gguf[0])
+    assert config.formats["model.layers.0.self_attn.qkv_proj"] == QuantFormat(4, 32)
+    assert config.formats["model.layers.1.mlp.gate_up_proj"] == QuantFormat(4, 32)
+    assert config.formats["model.embed_tokens"] == QuantFormat(8, 32)
+    assert "lm_head" not in config.formats  # Q5_0: floats
+
+
+def test_gguf_logits_match_hf_on_the_dequantized_weights(tiny_gguf):
+    path, oracle = tiny_gguf
+    hf_config = load_hf_config(gguf.metadata_dir(path))
+    model, engine_config = load_ours(path, quant_config=gguf.quant_config(path),
+                                     hf_config=hf_config)  # fmt: skip
+    assert model.model.layers[0].self_attn.qkv_proj.qweight.dtype == torch.uint8
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, TOKENIZER_VOCAB, (n,), generator=g) for n in (1, 7, 12)]
+    got, want = packed_logits(model, engine_config, prompts), hf_logits(oracle, prompts)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.slow
+def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tokenizer_dir):
+    """The engine on the GGUF file, compiled (quantized_linear at batch 1, Inductor's
+    fused dequantization for prefill) against eager, both bf16, on the same tokens."""
+    from runtime import LLM, SamplingParams
+
+    path = str(tiny_gguf[0])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 33, 2], [40, 41, 42, 43, 44, 45, 46], [7]]
+    outs = []
+    for eager in (True, False):
+        llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)])  # fmt: skip
+        del llm
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantization_at_load_matches_hf_on_the_same_rounding(tiny_llama, name):
+    """`quantization="int8" | "int4"`: our logits equal HF's with every linear layer's
+    weight replaced by its quantize-dequantize round trip."""
+    import copy
+
+    folder, hf = tiny_llama
+    config = quantization_config(name)
+    model, engine_config = load_ours(folder, quant_config=config)
+    assert model.model.layers[0].mlp.down_proj.quant_format == AT_LOAD[name]
+    oracle = copy.deepcopy(hf)
+    with torch.no_grad():
+        for module_name, module in oracle.named_modules():
+            if isinstance(module, torch.nn.Linear) and "lm_head" not in module_name:
+                fields = quantize(module.weight, config.default)
+                dequantize = (quantized.dequantize_q8_ref if config.default.bits == 8
+                              else quantized.dequantize_q4_ref)  # fmt: skip
+                module.weight.copy_(dequantize(*fields.values(), torch.float32))
+    prompts = [torch.tensor([3, 9, 27, 81, 243 % TOKENIZER_VOCAB])]
+    got, want = packed_logits(model, engine_config, prompts), hf_logits(oracle, prompts)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_llm_refuses_quantization_that_does_not_apply(tiny_gguf, tiny_llama):
+    from runtime.llm import build_engine_config
+
+    with pytest.raises(ValueError, match="quantized already"):
+        build_engine_config(str(tiny_gguf[0]), quantization="int8")
+    with pytest.raises(ValueError, match="needs a .gguf file"):
+        build_engine_config(str(tiny_llama[0]), quantization="gguf")
+    with pytest.raises(ValueError, match="not supported"):
+        build_engine_config(str(tiny_llama[0]), quantization="awq")
