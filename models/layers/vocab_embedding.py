@@ -32,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
     ):
         super().__init__()
         self.prefix = prefix
-        self.params_dtype = params_dtype or torch.get_default_dtype()
+        dtype = params_dtype or torch.get_default_dtype()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
@@ -45,12 +45,13 @@ class VocabParallelEmbedding(nn.Module):
         stored = quant_config is not None and not quant_config.quantize_at_load
         self.quant_format: QuantFormat | None = quant_config.format_for(prefix) if stored else None
         if self.quant_format is not None:
+            self.quant_dtype = dtype  # what the looked-up rows are dequantized to
             make_quantized_params(self, self.quant_format, self.num_embeddings_per_partition,
                                   embedding_dim, self.weight_loader)  # fmt: skip
         else:
             self.weight = nn.Parameter(
                 torch.empty(self.num_embeddings_per_partition, embedding_dim,
-                            dtype=self.params_dtype),
+                            dtype=dtype),
                 requires_grad=False,
             )  # fmt: skip
             self.weight.weight_loader = self.weight_loader
@@ -68,7 +69,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.quant_format is None:
             return F.embedding(ids, self.weight)
         rows = [F.embedding(ids, f) for f in quant_fields(self)]  # each field's looked-up rows
-        return self.quant_format.dequantize(rows, self.params_dtype)
+        return self.quant_format.dequantize(rows, self.quant_dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -89,7 +90,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, **kw)
         if bias:
             self.bias = nn.Parameter(
-                torch.zeros(self.num_embeddings_per_partition, dtype=self.params_dtype),
+                torch.zeros(self.num_embeddings_per_partition, dtype=kw.get("params_dtype")),
                 requires_grad=False,
             )
             self.bias.weight_loader = self.weight_loader

@@ -8,10 +8,11 @@
 //       [N, K/g]; value = scale * q + min. GGUF Q4_1 as stored, Q4_0 with min = -8 scale.
 //   q8: w int8 [N, K], scales fp16 [N, K/g]; value = scale * q. GGUF Q8_0 (g = 32) and
 //       int8 per output channel (g = K).
-// Every value is dequantized in fp32 exactly as the reference does (scale * q is exact in
-// fp32, one rounding for the min), and products accumulate in fp32: the result differs
-// from the reference's fp32 product only by summation order. Activations are never
-// quantized.
+// Three paths. fp32 activations: every value dequantized in fp32 exactly as the reference
+// does (scale * q is exact, one rounding for the min), products summed in fp32. bf16
+// activations with AVX512-BF16: exact products of bf16 nibbles and activations, summed in
+// fp32 (below). Without AVX512-BF16 but with AVX512-VNNI: activations quantized to int8 per
+// run of 32, as llama.cpp does (a bound tested in tests/test_quantized.py).
 //
 // Like layer_kernels.cpp, each `*_team` function runs on every thread of a parallel region
 // and takes its share of the weight rows (one sequential weight stream a thread), so a CPU
@@ -232,6 +233,112 @@ inline void row_product_int8(const QuantRow* rows, int64_t K, const void* wrow, 
 #define CC_INT8_PATH 0
 #endif
 
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The exact path for q4 and bf16 activations (AVX512-BF16): each nibble q becomes the bf16
+// 128 + q (bits 0x4300 | q, exact), `vdpbf16ps` multiplies 32 of them by 32 activations
+// exactly and adds in fp32, and the 128 comes off through the run's activation sum:
+//   sum_j (d q_j + m) x_j = d sum_j (128 + q_j) x_j + (m - 128 d) sum_j x_j.
+// Nothing is rounded but fp32 sums (NOTES 45: int8 activations, the path above, cost 1.2%
+// perplexity on the shipped model; this path costs nothing and runs at the same speed).
+// What one row of x becomes: its values reordered per pair of runs A, B as [A 0-15, B 0-15,
+// A 16-31, B 16-31] (the order two runs' low, then high, nibbles widen to), and run sums.
+struct Bf16Row {
+  const bf16* x;
+  const float* sum;
+};
+
+inline void prepare_bf16_row(const bf16* x, int64_t K, bf16* xp, float* sum) {
+  for (int64_t k = 0; k < K; k += 64) {
+    std::memcpy(xp + k, x + k, 32);
+    std::memcpy(xp + k + 16, x + k + 32, 32);
+    std::memcpy(xp + k + 32, x + k + 16, 32);
+    std::memcpy(xp + k + 48, x + k + 48, 32);
+  }
+  for (int64_t run = 0; run < K / 32; ++run) {
+    float total = 0.f;
+    for (int64_t j = 0; j < 32; ++j) total += bf16_f32(x[run * 32 + j]);
+    sum[run] = total;
+  }
+}
+
+template <int MB>
+inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w,
+                                const f16* s, const f16* mn, float* out) {
+  __m512 acc[MB_MAX], mins[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
+  const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
+  const int64_t runs = K / 32;
+  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
+    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
+    const __mmask16 live = __mmask16((1u << n) - 1);
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s + r0));
+    const __m512 m_eff = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f),
+                                          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + r0)));
+    for (int m = 0; m < MB; ++m)
+      mins[m] = _mm512_fmadd_ps(m_eff, _mm512_maskz_loadu_ps(live, rows[m].sum + r0), mins[m]);
+    for (int64_t p = 0; p < n; p += 2) {  // a pair of runs: lanes 0-7 and 8-15
+      const int64_t k = (r0 + p) * 32;
+      const __m512i bytes = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
+      // (low & bytes) | exponent in one ternary-logic op (truth table 0xea).
+      const __m512i lo = _mm512_ternarylogic_epi32(low, bytes, exponent, 0xea);
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent);
+      const __m512i pick = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1,
+                                             p + 1, p + 1, p + 1, p + 1);
+      const __m512 scale = _mm512_permutexvar_ps(pick, d);
+      for (int m = 0; m < MB; ++m) {
+        const bf16* xm = rows[m].x + k;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo,
+                                      (__m512bh)_mm512_loadu_si512(xm));
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xm + 32));
+        acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
+}
+// q8 on the same path: u = q + 128 in [0, 255] splits into nibbles u = 16 h + l, each a bf16
+// 128 + nibble as above, two exact products per run, in memory order (one run a vector):
+//   sum_j q_j x_j = 16 (A - 128 X) + (B - 128 X) - 128 X = 16 A + B - 2304 X,
+// A = sum (128 + h_j) x_j, B = sum (128 + l_j) x_j, X = sum x_j (the run's sum).
+template <int MB>
+inline void row_product_q8_bf16(const bf16* const* xs, const float* const* sums, int64_t K,
+                                const int8_t* w, const f16* s, float* out) {
+  __m512 acc[MB_MAX], offs[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = offs[m] = _mm512_setzero_ps();
+  const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
+  const __m512i flip = _mm512_set1_epi16(0x0080);
+  const int64_t runs = K / 32;
+  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
+    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
+    const __mmask16 live = __mmask16((1u << n) - 1);
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s + r0));
+    const __m512 off = _mm512_mul_ps(d, _mm512_set1_ps(-2304.f));
+    for (int m = 0; m < MB; ++m)
+      offs[m] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(live, sums[m] + r0), offs[m]);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t k = (r0 + r) * 32;
+      const __m512i u = _mm512_xor_si512(_mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k))), flip);
+      const __m512i l = _mm512_ternarylogic_epi32(low, u, exponent, 0xea);
+      const __m512i h = _mm512_or_si512(_mm512_srli_epi16(u, 4), exponent);
+      const __m512 scale = _mm512_permutexvar_ps(_mm512_set1_epi32(int(r)), d);
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xv = _mm512_castsi512_ps(_mm512_loadu_si512(xs[m] + k));
+        const __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)h, (__m512bh)xv);
+        const __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)l, (__m512bh)xv);
+        acc[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(a, _mm512_set1_ps(16.f), b), scale, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], offs[m]));
+}
+#define CC_BF16_PATH 1
+#else
+#define CC_BF16_PATH 0
+#endif
+
 // y[m, n] = out[m] (+ bias[n]), the bias added in fp32 with one rounding (as addmm).
 inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n, int64_t m0,
                   int64_t mb, const float* out) {
@@ -245,29 +352,53 @@ inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n
   }
 }
 
-// Whether a call takes the integer path: bf16 activations (already 8 significant bits),
-// runs of 32 and a CPU with AVX512-VNNI. fp32 activations keep the exact path.
-inline bool int8_path(int64_t bf, int64_t K, int64_t g) {
-  return CC_INT8_PATH && bf && g == 32 && K % 64 == 0;
+// Which path a call takes for bf16 activations and runs of 32: the exact bf16 path where
+// AVX512-BF16 builds (for q4 as fast as the integer one; for q8, two products a value,
+// 1.34x slower, but the integer path cost Q8_0 1.5% perplexity: NOTES 45), else the
+// integer one (AVX512-VNNI); otherwise fp32.
+enum class Path { fp32, bf16, int8 };
+
+inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
+  if (!bf || g != 32 || K % 64) return Path::fp32;
+  if (CC_BF16_PATH) return Path::bf16;
+  if (CC_INT8_PATH) return Path::int8;
+  return Path::fp32;
 }
 
 template <bool Q4>
 void product_team(const void* x, int64_t flags, const void* w, const f16* scales, const f16* mins,
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
   const int64_t bf = flags & 1;
-  const bool integer = int8_path(bf, K, g);
-  // fp32 x [M, K]; for the integer path also each row's QuantRow (K/4 floats hold K int8s).
-  const int64_t per_row = integer ? K / 4 + 2 * (K / 32) + K / 4 : 0;
+  const Path path = choose(Q4, bf, K, g);
+  // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
+  // QuantRow (K int8s, two run arrays, K/4 int32s), the bf16 path's reordered row and sums.
+  const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
+                          : path == Path::bf16 ? K / 2 + K / 32 : 0;
   float* xf = scratch(M * (K + per_row));
-  load_rows(x, bf, xf, M * K);
+  float* extra = xf + M * K;
+  if (path == Path::fp32) load_rows(x, bf, xf, M * K);
 #if CC_INT8_PATH
-  auto row_at = [&](int64_t m) {
-    float* base = xf + M * K + m * per_row;
+  auto quant_row = [&](int64_t m) {
+    float* base = extra + m * per_row;
     return QuantRow{reinterpret_cast<int8_t*>(base), base + K / 4, base + K / 4 + K / 32,
                     reinterpret_cast<int32_t*>(base + K / 4 + 2 * (K / 32))};
   };
-  if (integer)
-    for (int64_t m = 0; m < M; ++m) quantize_row(xf + m * K, K, row_at(m));
+  if (path == Path::int8) {
+    load_rows(x, bf, xf, M * K);
+    for (int64_t m = 0; m < M; ++m) quantize_row(xf + m * K, K, quant_row(m));
+  }
+#endif
+#if CC_BF16_PATH
+  auto bf16_row = [&](int64_t m) {
+    float* base = extra + m * per_row;
+    return Bf16Row{reinterpret_cast<const bf16*>(base), base + K / 2};
+  };
+  if (path == Path::bf16)
+    for (int64_t m = 0; m < M; ++m) {
+      float* base = extra + m * per_row;
+      prepare_bf16_row(static_cast<const bf16*>(x) + m * K, K, reinterpret_cast<bf16*>(base),
+                       base + K / 2);
+    }
 #endif
   int64_t begin, end;
   share(N, begin, end);
@@ -279,10 +410,42 @@ void product_team(const void* x, int64_t flags, const void* w, const f16* scales
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
       const float* xm = xf + m0 * K;
+#if CC_BF16_PATH
+      if constexpr (!Q4) {
+        if (path == Path::bf16) {
+          const bf16* xs[MB_MAX];
+          const float* sums[MB_MAX];
+          for (int64_t m = 0; m < mb; ++m) {
+            xs[m] = static_cast<const bf16*>(x) + (m0 + m) * K;
+            sums[m] = bf16_row(m0 + m).sum;
+          }
+          const int8_t* wq = reinterpret_cast<const int8_t*>(wrow);
+          if (mb == 4) row_product_q8_bf16<4>(xs, sums, K, wq, s, out);
+          else if (mb == 3) row_product_q8_bf16<3>(xs, sums, K, wq, s, out);
+          else if (mb == 2) row_product_q8_bf16<2>(xs, sums, K, wq, s, out);
+          else row_product_q8_bf16<1>(xs, sums, K, wq, s, out);
+          store(y, flags, bias, N, n, m0, mb, out);
+          continue;
+        }
+      }
+      if constexpr (Q4) {
+        if (path == Path::bf16) {
+          Bf16Row rm[MB_MAX];
+          for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);
+          const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
+          if (mb == 4) row_product_q4_bf16<4>(rm, K, wq, s, mn, out);
+          else if (mb == 3) row_product_q4_bf16<3>(rm, K, wq, s, mn, out);
+          else if (mb == 2) row_product_q4_bf16<2>(rm, K, wq, s, mn, out);
+          else row_product_q4_bf16<1>(rm, K, wq, s, mn, out);
+          store(y, flags, bias, N, n, m0, mb, out);
+          continue;
+        }
+      }
+#endif
 #if CC_INT8_PATH
-      if (integer) {
+      if (path == Path::int8) {
         QuantRow rm[MB_MAX];
-        for (int64_t m = 0; m < mb; ++m) rm[m] = row_at(m0 + m);
+        for (int64_t m = 0; m < mb; ++m) rm[m] = quant_row(m0 + m);
         if (mb == 4) row_product_int8<4, Q4>(rm, K, wrow, s, mn, out);
         else if (mb == 3) row_product_int8<3, Q4>(rm, K, wrow, s, mn, out);
         else if (mb == 2) row_product_int8<2, Q4>(rm, K, wrow, s, mn, out);
@@ -306,9 +469,12 @@ extern "C" {
 
 int64_t quant_kernels_available() { return 1; }  // a portable loop where AVX-512 is missing
 
-// 0: the portable loop; 1: AVX-512 in fp32; 2: also the integer path for bf16 activations.
+// 0: the portable loop; 1: AVX-512 in fp32; 2: bf16 activations on the integer path
+// (int8 activations, VNNI); 3: bf16 activations on the exact bf16 path (AVX512-BF16).
 int64_t quant_kernels_vectorized() {
-#if CC_INT8_PATH
+#if CC_BF16_PATH
+  return 3;
+#elif CC_INT8_PATH
   return 2;
 #elif defined(__AVX512F__)
   return 1;

@@ -31,8 +31,9 @@ from passes.native import NativeCall
 
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # Rows up to which the products read the blocks directly; more rows (a prefill) are
-# compute-bound and dequantize once to run the dense product.
-MAX_KERNEL_ROWS = 16
+# compute-bound and dequantize once to run the dense product. On a 3072 x 576 q4 weight
+# the kernel took 6-16 ms at 32-128 bf16 rows, dequantize + mm 16-72 ms (NOTES 45).
+MAX_KERNEL_ROWS = 128
 
 
 def dequantize_q4_ref(
@@ -84,10 +85,12 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def vectorized() -> bool:
-    """Whether that kernel is the AVX-512 one (the portable loop otherwise)."""
+def kernel_path() -> str:
+    """How the kernel takes bf16 activations here: "bf16" (exact: AVX512-BF16), "int8"
+    (quantized per run of 32: AVX512-VNNI), "fp32" (converted: AVX-512) or "portable"."""
     lib = _kernel()
-    return lib is not None and bool(lib.quant_kernels_vectorized())
+    level = 0 if lib is None else int(lib.quant_kernels_vectorized())
+    return ("portable", "fp32", "int8", "bf16")[level]
 
 
 def _product_call(
