@@ -7,12 +7,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from compilecore.config import cache_root
+from models.cache_files import write_folder_once
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 NATIVE_DTYPE = "bfloat16"
@@ -84,20 +83,9 @@ def ensure_default_model() -> Path:
         record_native_dtype(target)  # folders converted before it was recorded
         return target
     gguf = find_gguf()
-    target.parent.mkdir(parents=True, exist_ok=True)
     print(
         f"[compilecore] converting the default model {DEFAULT_MODEL_NAME} from GGUF to "
         f"safetensors in {target} (once, about 15 s)",
         file=sys.stderr,
     )
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _convert(gguf, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_folder_once(target, lambda out: _convert(gguf, out), "config.json")

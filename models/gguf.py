@@ -17,10 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.cache_files import write_folder_once
 from models.layers.quantization import QuantFormat, QuantizationConfig
 
 logger = logging.getLogger("compilecore")
@@ -203,20 +201,7 @@ def metadata_dir(path: str | Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = cache_root() / "gguf" / f"{path.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _write_metadata(path, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_folder_once(target, lambda out: _write_metadata(path, out), "config.json")
 
 
 def _write_metadata(path: Path, out: Path) -> None:

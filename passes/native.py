@@ -288,6 +288,16 @@ def unrolled_sizes(*sizes: int) -> tuple[int, ...]:
     return tuple(sorted({k for k in sizes if UNROLL_MIN_K <= k <= UNROLL_MAX_K}))
 
 
+COMMON_HEADER = Path(__file__).parent / "ops" / "cc_common.h"
+
+
+def op_source(source: Path) -> str:
+    """`source`'s text with `#include "cc_common.h"` replaced by that header's text: the
+    build is keyed by the text it compiles, so editing the header rebuilds every kernel."""
+    text = source.read_text()
+    return text.replace(f'#include "{COMMON_HEADER.name}"', COMMON_HEADER.read_text(), 1)
+
+
 def load_op_kernel(
     source: Path, available: str, dot_sizes: Sequence[int] = ()
 ) -> ctypes.CDLL | None:
@@ -300,7 +310,7 @@ def load_op_kernel(
     if dot_sizes:
         flags += ["-DCC_DOT_SIZES=" + " ".join(f"CC_DOT({k})" for k in dot_sizes)]
     try:
-        lib = load_library(source.read_text(), source.stem, cache_root() / "torch_compile", flags)
+        lib = load_library(op_source(source), source.stem, cache_root() / "torch_compile", flags)
     except (OSError, KernelBuildError):
         return None
     return lib if getattr(lib, available)() else None

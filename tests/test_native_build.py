@@ -42,3 +42,19 @@ def test_the_compilers_expansion_of_march_native_is_in_the_key():
     target = native.native_target("g++")
     assert "-march=" in target or "-mcpu=" in target or "target-cpu" in target
     assert native.native_target("no-such-compiler-here").startswith("unknown")
+
+
+def test_the_shared_header_is_part_of_every_kernels_source(tmp_path, monkeypatch):
+    """Kernels include cc_common.h; the build is keyed by the text it compiles, so the
+    header is pasted in: an edit to it must give every kernel a new library."""
+    source = tmp_path / "k.cpp"
+    source.write_text('#include "cc_common.h"\nint k() { return 1; }\n')
+    text = native.op_source(source)
+    assert '#include "cc_common.h"' not in text and "inline Share share(" in text
+    header = tmp_path / "cc_common.h"
+    header.write_text(native.COMMON_HEADER.read_text() + "// edited\n")
+    monkeypatch.setattr(native, "COMMON_HEADER", header)
+    edited = native.op_source(source)
+    assert edited != text
+    paths = [native.library_path("cc", t, "k", tmp_path, ["-O2"]) for t in (text, edited)]
+    assert paths[0] != paths[1]

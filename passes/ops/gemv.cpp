@@ -9,8 +9,8 @@
 // speed of a plain sum, where Inductor's loop (bf16 -> fp32 conversions, one dependent
 // add per 16 weights) read at ~0.75 of it in the same minutes (NOTES section 30).
 #include <cmath>
-#include <cstdint>
-#include <omp.h>
+
+#include "cc_common.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -21,8 +21,6 @@
 #endif
 
 namespace {
-
-typedef uint16_t bf16;
 
 #if defined(__AVX512BF16__)
 inline __m512bh load(const bf16* p, __mmask32 mask) {
@@ -101,8 +99,7 @@ struct Limbs {
 inline bool make_limbs(const bf16* x, int64_t K, int64_t Kp, Limbs* out) {
   float v[8192], amax = 0.f, sq = 0.f;
   for (int64_t k = 0; k < K; ++k) {
-    const uint32_t bits = uint32_t(x[k]) << 16;
-    __builtin_memcpy(&v[k], &bits, 4);
+    v[k] = to_f32(x[k]);
     amax = v[k] > amax ? v[k] : (-v[k] > amax ? -v[k] : amax);
     sq += v[k] * v[k];
   }
@@ -168,9 +165,8 @@ void gemv_head_bf16(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, floa
                     int64_t Kp, const float* meta, int64_t slack_bits,
                     const int64_t* argmax_only) {
 #if defined(CC_SCREEN)
-  float slack_per_norm;  // a float's bits, so a CPU graph records the call as integers
-  const uint32_t bits = uint32_t(slack_bits);
-  __builtin_memcpy(&slack_per_norm, &bits, 4);
+  // a float's bits, so a CPU graph records the call as integers
+  const float slack_per_norm = bits_to_float(uint32_t(slack_bits));
   Limbs limbs;  // filled before the region, read by the whole team
   if (M == 1 && *argmax_only && Kp <= 8192 && make_limbs(x, K, Kp, &limbs)) {
     const float slack = slack_per_norm * limbs.x_norm + 1e-6f;
@@ -227,8 +223,7 @@ void gemv_bf16_f32(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, float
 #if defined(__AVX512BF16__)
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+    const auto [n0, n1] = share(N);
     for (int64_t n = n0; n < n1; ++n) {
       const bf16* row = w + n * ldw;
       const bool ahead = row + K + CC_PREFETCH / 2 <= w + (n1 - 1) * ldw + K;

@@ -10,9 +10,8 @@
 // Rounding follows the unfused graph: every product, add, norm and activation result is
 // rounded to bf16; accumulation and the norm's statistics are fp32.
 #include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <omp.h>
+
+#include "cc_common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -23,24 +22,6 @@
 #endif
 
 namespace {
-
-typedef uint16_t bf16;
-
-inline float to_f32(bf16 v) {
-  uint32_t bits = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16((bits >> 16) | 0x40);  // NaN stays NaN
-  return bf16((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
 
 #if defined(__AVX512F__)
 inline __m512 round16(__m512 v) {  // round_bf16 on 16 finite values
@@ -237,34 +218,6 @@ inline void to_bf16_row(const float* in, bf16* out, int64_t n) {
   for (; i + 16 <= n; i += 16) store16(out + i, _mm512_loadu_ps(in + i));
 #endif
   for (; i < n; ++i) out[i] = to_bf16(in[i]);
-}
-
-// A thread's fp32 scratch of at least n floats (grows, never shrinks; one per thread).
-inline float* scratch(int64_t n) {
-  thread_local float* buf = nullptr;
-  thread_local int64_t size = 0;
-  if (n > size) {
-    delete[] buf;
-    buf = new float[n];
-    size = n;
-  }
-  return buf;
-}
-
-inline float bits_to_float(int64_t bits) {
-  float f;
-  const uint32_t b = uint32_t(bits);
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-// [begin, end) of n items for this thread.
-struct Share {
-  int64_t begin, end;
-};
-inline Share share(int64_t n) {
-  const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-  return {n * t / T, n * (t + 1) / T};
 }
 
 }  // namespace

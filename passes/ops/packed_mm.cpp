@@ -13,16 +13,15 @@
 // cache line per k-pair. Rounded to bf16 (nearest even) at the end.
 #include <algorithm>
 #include <array>
-#include <cstdint>
 #include <utility>
 #include <vector>
+
+#include "cc_common.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
-
-typedef uint16_t bf16;
 constexpr int64_t kRows = 16;  // rows of x per tile
 constexpr int64_t kCols = 16;  // output columns per block: one zmm of fp32
 

@@ -17,58 +17,21 @@
 // Like layer_kernels.cpp, each `*_team` function runs on every thread of a parallel region
 // and takes its share of the weight rows (one sequential weight stream a thread), so a CPU
 // graph can call it inside one OpenMP team; `*_region` opens a region for eager calls.
-#include <cstdint>
-#include <cstring>
-#include <omp.h>
+#include "cc_common.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-typedef uint16_t bf16;
 typedef uint16_t f16;
-
-inline float bits_f32(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float bf16_f32(bf16 v) { return bits_f32(uint32_t(v) << 16); }
-
-inline bf16 f32_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16((bits >> 16) | 0x40);  // NaN stays NaN
-  return bf16((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 inline float f16_f32(f16 h) {  // IEEE half -> float, subnormals included
   const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-  if (exp == 0x1f) return bits_f32(sign | 0x7f800000u | (man << 13));
-  if (exp != 0) return bits_f32(sign | ((exp + 112) << 23) | (man << 13));
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));
+  if (exp != 0) return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
   const float sub = float(man) * (1.f / 16777216.f);  // man * 2^-24
   return sign ? -sub : sub;
-}
-
-// [begin, end) of n items for this thread.
-inline void share(int64_t n, int64_t& begin, int64_t& end) {
-  const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-  begin = n * t / T;
-  end = n * (t + 1) / T;
-}
-
-// A thread's fp32 scratch of at least n floats (grows, never shrinks).
-inline float* scratch(int64_t n) {
-  thread_local float* buf = nullptr;
-  thread_local int64_t size = 0;
-  if (n > size) {
-    delete[] buf;
-    buf = new float[n];
-    size = n;
-  }
-  return buf;
 }
 
 inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
@@ -76,7 +39,7 @@ inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
     std::memcpy(out, x, n * sizeof(float));
     return;
   }
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16_f32(static_cast<const bf16*>(x)[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = to_f32(static_cast<const bf16*>(x)[i]);
 }
 
 // Up to 4 rows of x at a time against one weight row: MB accumulators of 16 lanes.
@@ -248,17 +211,20 @@ struct Bf16Row {
   const float* sum;
 };
 
-inline void prepare_bf16_row(const bf16* x, int64_t K, bf16* xp, float* sum) {
+inline void run_sums(const bf16* x, int64_t K, float* sum) {
+  for (int64_t run = 0; run < K / 32; ++run) {
+    float total = 0.f;
+    for (int64_t j = 0; j < 32; ++j) total += to_f32(x[run * 32 + j]);
+    sum[run] = total;
+  }
+}
+
+inline void reorder_pairs(const bf16* x, int64_t K, bf16* xp) {
   for (int64_t k = 0; k < K; k += 64) {
     std::memcpy(xp + k, x + k, 32);
     std::memcpy(xp + k + 16, x + k + 32, 32);
     std::memcpy(xp + k + 32, x + k + 16, 32);
     std::memcpy(xp + k + 48, x + k + 48, 32);
-  }
-  for (int64_t run = 0; run < K / 32; ++run) {
-    float total = 0.f;
-    for (int64_t j = 0; j < 32; ++j) total += bf16_f32(x[run * 32 + j]);
-    sum[run] = total;
   }
 }
 
@@ -343,11 +309,11 @@ inline void row_product_q8_bf16(const bf16* const* xs, const float* const* sums,
 inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n, int64_t m0,
                   int64_t mb, const float* out) {
   float b = 0.f;
-  if (bias) b = flags & 1 ? bf16_f32(static_cast<const bf16*>(bias)[n])
+  if (bias) b = flags & 1 ? to_f32(static_cast<const bf16*>(bias)[n])
                           : static_cast<const float*>(bias)[n];
   for (int64_t m = 0; m < mb; ++m) {
     const int64_t at = (m0 + m) * N + n;
-    if (flags & 2) static_cast<bf16*>(y)[at] = f32_bf16(out[m] + b);
+    if (flags & 2) static_cast<bf16*>(y)[at] = to_bf16(out[m] + b);
     else static_cast<float*>(y)[at] = out[m] + b;
   }
 }
@@ -365,6 +331,9 @@ inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
   return Path::fp32;
 }
 
+// The row products are templates on a block's row count (accumulators in registers), so
+// each path dispatches on mb itself: one generic lambda doing it for all four cost the
+// q8 product 10-15% at 4 rows (the same-process A/B of NOTES 46).
 template <bool Q4>
 void product_team(const void* x, int64_t flags, const void* w, const f16* scales, const f16* mins,
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
@@ -393,15 +362,15 @@ void product_team(const void* x, int64_t flags, const void* w, const f16* scales
     float* base = extra + m * per_row;
     return Bf16Row{reinterpret_cast<const bf16*>(base), base + K / 2};
   };
-  if (path == Path::bf16)
+  if (path == Path::bf16)  // q8 reads x as it is; only q4's nibble order needs the reorder
     for (int64_t m = 0; m < M; ++m) {
       float* base = extra + m * per_row;
-      prepare_bf16_row(static_cast<const bf16*>(x) + m * K, K, reinterpret_cast<bf16*>(base),
-                       base + K / 2);
+      const bf16* xm = static_cast<const bf16*>(x) + m * K;
+      if (Q4) reorder_pairs(xm, K, reinterpret_cast<bf16*>(base));
+      run_sums(xm, K, base + K / 2);
     }
 #endif
-  int64_t begin, end;
-  share(N, begin, end);
+  const auto [begin, end] = share(N);
   const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;

@@ -80,11 +80,6 @@ def _kernel() -> ctypes.CDLL | None:
     return lib
 
 
-def available() -> bool:
-    """Whether the quantized products run their C kernel here (a C compiler)."""
-    return _kernel() is not None
-
-
 def kernel_path() -> str:
     """How the kernel takes bf16 activations here: "bf16" (exact: AVX512-BF16), "int8"
     (quantized per run of 32: AVX512-VNNI), "fp32" (converted: AVX-512) or "portable"."""

@@ -1,0 +1,52 @@
+// What every kernel source shares: bf16 <-> fp32 as torch rounds, a thread's share of
+// an OpenMP team's work, a thread's scratch. passes/native.py pastes this file where a
+// source includes it, so a build's cache key changes when this file does.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+namespace {
+
+typedef uint16_t bf16;
+
+// A float from its bits (also how a float argument arrives as a recorded integer).
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float to_f32(bf16 v) { return bits_to_float(uint32_t(v) << 16); }
+
+inline bf16 to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16((bits >> 16) | 0x40);  // NaN stays NaN
+  return bf16((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float round_bf16(float f) { return to_f32(to_bf16(f)); }
+
+// [begin, end) of n items for the calling thread of its team.
+struct Share {
+  int64_t begin, end;
+};
+inline Share share(int64_t n) {
+  const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+  return {n * t / T, n * (t + 1) / T};
+}
+
+// A thread's fp32 scratch of at least n floats (grows, never shrinks; one per thread).
+inline float* scratch(int64_t n) {
+  thread_local float* buf = nullptr;
+  thread_local int64_t size = 0;
+  if (n > size) {
+    delete[] buf;
+    buf = new float[n];
+    size = n;
+  }
+  return buf;
+}
+
+}  // namespace
