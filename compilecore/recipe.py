@@ -194,7 +194,9 @@ def recipe_path(root: Path, tag: str, factors: dict[str, Any]) -> Path:
     return root / "recipes" / tag / f"{key[:24]}.json"
 
 
-_REGISTRATIONS = [0]
+_REGISTRATIONS = [0]  # parameters and buffers set on any module (the hooks below)
+_MARKS = [0]  # mark_weights_changed() calls
+_SEEN = [0]  # changes a WeightWatch noticed (compilecore/weight_watch.py)
 
 
 def _count_registration(module: Any, name: str, value: Any) -> None:
@@ -202,27 +204,39 @@ def _count_registration(module: Any, name: str, value: Any) -> None:
 
 
 # Any parameter or buffer set on any module (`module.weight = ...`,
-# `load_state_dict(assign=True)`) moves this count. Copies into existing tensors keep each
-# tensor's storage, which graphs read directly, but not the packed copies of weights that
-# batched decode graphs read (`compilecore.packed_mm`): `load_weights` moves the count too
-# (`mark_weights_changed`).
+# `load_state_dict(assign=True)`) moves this count. Writes into existing tensors are the
+# weight watch's to notice (version counters, addresses); a write it cannot see (through
+# `.data`) is announced with `mark_weights_changed`, as `load_weights` does.
 torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
 torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
 
 
 def mark_weights_changed() -> None:
-    """Weights were written in place (a reload): graphs and everything derived from the
-    weights are made again before their next use."""
-    _REGISTRATIONS[0] += 1
+    """Weights were written where no version counter sees it (through `.data`, a reload):
+    graphs and everything derived from the weights are made again before their next use."""
+    _MARKS[0] += 1
     packed_linear.weights_written()
     gemv.invalidate_screens()
 
 
-def weights_version() -> int:
-    """Changes whenever a parameter or buffer object may have been replaced somewhere:
-    whatever holds parameters resolved earlier (a recipe, a CPU or CUDA graph) must
-    resolve them again."""
+def note_weights_seen_changed() -> None:
+    """A weight watch noticed a change to its model's weights: graphs that hold weight
+    addresses (CUDA graphs, recipes) resolve them again."""
+    _SEEN[0] += 1
+
+
+def registrations() -> int:
     return _REGISTRATIONS[0]
+
+
+def marks() -> int:
+    return _MARKS[0]
+
+
+def weights_version() -> int:
+    """Changes whenever a weight may have been replaced or written somewhere: whatever
+    holds parameters resolved earlier (a recipe, a CUDA graph) must resolve them again."""
+    return _REGISTRATIONS[0] + _MARKS[0] + _SEEN[0]
 
 
 class RecipeRunner:

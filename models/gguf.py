@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from models.cache_files import write_folder_once
+from models.gguf_file import GGUFFile, GGUFFormatError
 from models.layers.quantization import QuantFormat, QuantizationConfig
 
 logger = logging.getLogger("compilecore")
@@ -68,12 +69,10 @@ def hf_name(name: str) -> str | None:
     return None
 
 
-def _reader(path: Path) -> Any:
-    from gguf import GGUFReader
-
+def _reader(path: Path) -> GGUFFile:
     try:
-        return GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError, struct.error, ... on a bad file
+        return GGUFFile(path)
+    except GGUFFormatError as e:
         raise GGUFError(f"cannot read {path} as a GGUF file: {e} (is it truncated?)") from e
 
 
@@ -156,7 +155,7 @@ def iterate_weights(
     from gguf import quants
 
     reader = _reader(Path(path))
-    arch = _field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     heads = {"q_proj": hf_config.num_attention_heads,
              "k_proj": getattr(hf_config, "num_key_value_heads", None)
              or hf_config.num_attention_heads}  # fmt: skip
@@ -186,13 +185,6 @@ def iterate_weights(
                        "Q8_0, Q4_0, Q4_1)", path, ", ".join(sorted(dequantized)))  # fmt: skip
 
 
-def _field(reader: Any, key: str) -> str | None:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode()
-
-
 def metadata_dir(path: str | Path) -> Path:
     """A folder with the file's config.json and tokenizer (HF's files), written once."""
     from compilecore.config import cache_root
@@ -214,7 +206,7 @@ def _write_metadata(path: Path, out: Path) -> None:
         raise GGUFError(f"cannot read the model's config from {path}: {e}") from e
     config.save_pretrained(str(out))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
-    if _field(_reader(path), "tokenizer.ggml.model") is not None:  # else: pass tokenizer=
+    if _reader(path).field("tokenizer.ggml.model") is not None:  # else: pass tokenizer=
         try:
             AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(str(out))
         except (ValueError, OSError, KeyError) as e:

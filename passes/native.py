@@ -26,7 +26,10 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("compilecore")
 
@@ -144,6 +147,16 @@ def madvise_huge(address: int, length: int) -> bool:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise(address, length, MADV_HUGEPAGE) == 0
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """t's version counter (moved by every write through torch), which copies made from
+    a weight are keyed by; 0 for an inference tensor (no counter, never written in place
+    outside inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
 
 
 def huge_page_buffer(nbytes: int) -> tuple[Any, bool]:

@@ -121,8 +121,8 @@ def _report(output) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args)  # a bad sampling value is refused before the model loads
     llm = _engine(args)
-    params = _params(args)
     use_chat = not args.raw and getattr(llm.tokenizer, "chat_template", None)
     for prompt in args.prompt:
         if use_chat:
@@ -136,8 +136,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _engine(args)
     params = _params(args)
+    llm = _engine(args)
     conversation = [{"role": "system", "content": args.system}] if args.system else []
     print("compilecore chat: type a message; an empty line or Ctrl-D ends.", file=sys.stderr)
     while True:

@@ -24,9 +24,8 @@ from compilecore.compile_cache import compile_cache_root
 from compilecore.config import EngineConfig
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
-from compilecore.recipe import weights_version
+from compilecore.weight_watch import WeightWatch
 from models.layers.logits_processor import LogitsProcessor
-from passes.ops import gemv
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.lm_head import choose_lm_head_kernels
@@ -196,8 +195,9 @@ class ModelRunner:
         self._pp_buffers: Any = None  # a later pipeline stage's receive buffers
         for layer in self.attention_layers.values():  # compiling runs attention before the cache
             layer.bind(attn_backend)
-        # Graphs hold raw weight addresses: a replaced parameter makes them stale.
-        self.cpu_graphs_version = weights_version()
+        # Graphs hold raw weight addresses, and some ops read copies made from weights:
+        # any weight replaced or written makes them stale (compilecore/weight_watch.py).
+        self.weight_watch = WeightWatch(model)
         # The model's own argmax-only flags (the batch-1 LM head may then compute only the
         # rows that can win): set for each step, cleared after it.
         self._argmax_setters = [
@@ -274,10 +274,8 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """Run this rank's stage. Returns logits [len(plan.logits_rows), vocab] on global
         rank 0 (the driver), None elsewhere."""
-        if self.cpu_graphs_version != weights_version():  # a weight replaced: re-record
+        if self.weight_watch.check():  # a weight moved: record again
             self.cpu_graphs.clear()
-            gemv.invalidate_screens()
-            self.cpu_graphs_version = weights_version()
         size = self._cpu_graph_size(plan)
         graph = self.cpu_graphs.get(size) if size is not None else None
         # Only for this step: whoever computes logits next (a test, a tool) gets them all.

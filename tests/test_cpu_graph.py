@@ -135,9 +135,19 @@ class _TorchCalls(torch.overrides.TorchFunctionMode):
 def test_a_replayed_step_calls_no_torch_function_outside_the_graph(compiled, monkeypatch):
     """Right after the weights stream through the caches each torch call costs tens of
     microseconds (NOTES section 30): the runner writes a replayed step's inputs through
-    numpy views and hands back the graph's own output buffer."""
+    numpy views and hands back the graph's own output buffer. The weight watch's reads
+    (each tensor's version counter and address: C getters, no dispatch, ~0.06 us each) are
+    counted apart."""
     runner = compiled.llm_engine.runner
-    execute, seen = runner.execute, []
+    execute, seen, checks = runner.execute, [], []
+    check = runner.weight_watch.check
+
+    def check_unwatched():
+        checks.append(1)
+        with torch._C.DisableTorchFunction():
+            return check()
+
+    monkeypatch.setattr(runner.weight_watch, "check", check_unwatched)
 
     def watched(plan):
         replayed = isinstance(
@@ -152,6 +162,7 @@ def test_a_replayed_step_calls_no_torch_function_outside_the_graph(compiled, mon
     monkeypatch.setattr(runner, "execute", watched)
     _tokens(compiled, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert len(seen) >= 4 and all(calls == [] for calls in seen), seen
+    assert len(checks) >= len(seen)  # every step checked the weights
 
 
 def test_graph_matches_hf_in_fp32(tiny_llama, tmp_path):
@@ -395,16 +406,19 @@ def test_replaced_weights_are_used_by_the_next_decode(tiny_llama, tmp_path):
     assert _tokens(llm) == after != before
 
 
-def test_weights_reloaded_in_place_reach_batched_graphs(tiny_llama, tmp_path):
-    """Batched decode graphs read packed copies of the weights, not the weights: a reload
-    through `load_weights` (copies into the same tensors through `.data`, as a trainer's
-    weight sync does, which moves no version count) must make the copies and the graphs
-    again, or decode would run on copies of the old weights. The oracle is a new engine
-    on a checkpoint of the reloaded weights."""
+def test_every_way_of_editing_weights_reaches_every_graph(tiny_llama, tmp_path):
+    """Graphs read weights by address, batched graphs read packed copies of them, the
+    batch-1 greedy head reads an int8 screen of its weight: after any edit of the weights
+    in place, each must follow (compilecore/weight_watch.py). The oracle is a new engine on
+    a checkpoint of the edited weights; the edits alternate between the flipped weights
+    and the original ones, so each path is seen to take effect. `load_weights` copies
+    through `.data` (as a trainer's weight sync does) and calls `mark_weights_changed`
+    itself; a user's write through `.data` needs that call (torch counts no version)."""
     import shutil
 
     from safetensors.torch import save_file
 
+    from compilecore.recipe import mark_weights_changed
     from models.loader import iterate_weights
 
     files = sorted(tiny_llama[0].glob("*.safetensors"))
@@ -416,21 +430,56 @@ def test_weights_reloaded_in_place_reach_batched_graphs(tiny_llama, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def tokens(llm: LLM) -> list[list[int]]:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        batched = llm.generate(prompts, params, use_tqdm=False)  # graph 3, packed copies
+        alone = llm.generate(prompts[:1], params, use_tqdm=False)  # graph 1, the screen
+        return [o.outputs[0].token_ids for o in [*batched, *alone]]
 
     config = {"cache_dir": str(tmp_path / "cache")}
     llm = LLM(str(tiny_llama[0]), dtype="bfloat16", compilation_config=config)
-    before = tokens(llm)
-    runner = llm.llm_engine.runner
-    old_graph = runner.cpu_graphs[3]
-    assert isinstance(old_graph, cpu_graph.CpuGraph)
-    runner.model.load_weights((n, t.flip(0)) for n, t in iterate_weights(files))
-    after = tokens(llm)
-    assert runner.cpu_graphs[3] is not old_graph  # recorded again
     fresh = LLM(str(flipped), dtype="bfloat16", compilation_config=config)
-    assert after == tokens(fresh) != before
-    runner.cpu_graphs.update(dict.fromkeys(runner.cpu_graphs))  # piece by piece from now
-    assert tokens(llm) == after
+    model = llm.llm_engine.runner.model
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    edited = {n: p.detach().clone() for n, p in fresh.llm_engine.runner.model.named_parameters()}
+    want = {"original": tokens(llm), "edited": tokens(fresh)}
+    assert want["original"] != want["edited"]
+    old_graph = llm.llm_engine.runner.cpu_graphs[3]
+    assert isinstance(old_graph, cpu_graph.CpuGraph)
+
+    def each(edit):
+        def apply(target):
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    edit(name, p, target[name])
+
+        return apply
+
+    def data_then_mark(target):
+        each(lambda n, p, t: p.data.copy_(t))(target)
+        mark_weights_changed()
+
+    edits = {
+        "load_weights": lambda target: model.load_weights(
+            (n, t.flip(0) if target is edited else t) for n, t in iterate_weights(files)
+        ),
+        "load_state_dict": lambda target: model.load_state_dict(target, strict=False),
+        "copy_": each(lambda n, p, t: p.copy_(t)),
+        "arithmetic": each(lambda n, p, t: p.mul_(0).add_(t)),
+        ".data =": each(lambda n, p, t: setattr(p, "data", t.clone())),
+        ".data.copy_ + mark_weights_changed": data_then_mark,
+    }
+    for i, (path, edit) in enumerate(edits.items()):
+        target = "edited" if i % 2 == 0 else "original"
+        if path == ".data =":
+            assert tokens(fresh) == want["edited"]  # (marks by load_weights reached it)
+            fresh_graph = fresh.llm_engine.runner.cpu_graphs[3]
+        edit(edited if target == "edited" else original)
+        assert tokens(llm) == want[target], path
+        if path == ".data =":  # another engine's watch sees its own weights unchanged
+            assert tokens(fresh) == want["edited"]
+            assert fresh.llm_engine.runner.cpu_graphs[3] is fresh_graph
+    assert llm.llm_engine.runner.cpu_graphs[3] is not old_graph  # recorded again
+    llm.llm_engine.runner.cpu_graphs.update(dict.fromkeys(llm.llm_engine.runner.cpu_graphs))
+    assert tokens(llm) == want["original"]  # piece by piece from now
 
 
 def test_two_engines_stepping_on_two_threads_each_get_their_solo_results(compiled, tmp_path):

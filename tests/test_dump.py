@@ -39,13 +39,15 @@ def four_layers(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="module")
 def dumps(four_layers, tmp_path_factory):
     root = tmp_path_factory.mktemp("dumps")
+    # "on": two of our passes and a user's pass from the CLI, verified (one cold dump fewer
+    # than one run each: ~20 s of the suite).
     runs = {
         "off1": [],
         "off2": [],
-        "on": ["--passes", "fuse_add_rms_norm", "qkv_rope"],
-        "user": ["--custom-pass", "examples.silu_mul_pass:silu_mul_pass", "--verify"],
-    }
-    # Side by side: a dump compiles cold (dumps bypass every compile cache), so the four
+        "on": ["--passes", "fuse_add_rms_norm", "qkv_rope",
+               "--custom-pass", "examples.silu_mul_pass:silu_mul_pass", "--verify"],
+    }  # fmt: skip
+    # Side by side: a dump compiles cold (dumps bypass every compile cache), so the three
     # processes share nothing but the cores, and together they take about half as long.
     cli = [sys.executable, "-m", "runtime.cli", "dump", "--model", str(four_layers)]
     procs = {}
@@ -125,12 +127,12 @@ def test_diff_reports_the_expected_op_deltas(dumps):
 
 
 def test_a_user_pass_from_the_cli_is_dumped_verified_and_diffed(dumps):
-    report = json.loads((dumps["user"] / "rank_0" / "report.json").read_text())
+    report = json.loads((dumps["on"] / "rank_0" / "report.json").read_text())
     matches = report["LlamaModel.model"]["pass_matches_by_variant"]
     assert matches["general"]["fuse_silu_mul"] == LAYERS == matches["size_1"]["fuse_silu_mul"]
-    diff = diff_dumps(dumps["off1"], dumps["user"])
+    diff = diff_dumps(dumps["off1"], dumps["on"])
     assert diff.total_deltas()["examples.silu_and_mul"] == LAYERS
-    assert [c.name for c in diff.pass_changes] == ["fuse_silu_mul"]
+    assert "fuse_silu_mul" in [c.name for c in diff.pass_changes]
 
 
 def test_dumps_from_two_processes_diff_equal(dumps):

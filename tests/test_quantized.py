@@ -182,6 +182,32 @@ def test_decompose_dequantize_hands_inductor_plain_ops():
     assert count_ops(backend.graph_after, torch.ops.aten.bitwise_and) == 1
 
 
+def test_our_gguf_header_reader_reads_what_gguf_py_reads(tiny_gguf, tmp_path):
+    """models/gguf_file.py against gguf-py's reader on the same file: every field (arrays
+    of strings and numbers included), every tensor's name, type, shape and bytes; a cut
+    file is refused by name."""
+    from gguf import GGUFReader, GGUFValueType
+
+    from models.gguf_file import GGUFFile
+
+    ours, theirs = GGUFFile(tiny_gguf[0]), GGUFReader(str(tiny_gguf[0]))
+    fields = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert set(ours.fields) == set(fields)
+    for key, field in fields.items():
+        got = ours.field(key)
+        got = got.items() if field.types[0] == GGUFValueType.ARRAY else got
+        want = field.contents()
+        assert got == (pytest.approx(want) if isinstance(want, float) else want), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == b.shape.tolist()
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf[0].read_bytes()[:-100])
+    with pytest.raises(gguf.GGUFError, match="runs past the end of the file"):
+        gguf.quant_config(cut)
+
+
 def test_gguf_layers_keep_their_blocks(tiny_gguf):
     config = gguf.quant_config(tiny_gguf[0])
     assert config.formats["model.layers.0.self_attn.qkv_proj"] == QuantFormat(4, 32)

@@ -49,7 +49,7 @@ def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
 
 # -- the screened head: greedy steps read an int8 copy of the LM head ----------------------
 # (address, shape) -> (q, meta, Kp, slack bits, indices of sampled rows, those rows of w
-# when it was made)
+# when it was made, w's version counter then)
 _SCREENS: dict[tuple[int, tuple[int, ...]], tuple] = {}
 _SAMPLED_ROWS = 8
 
@@ -85,7 +85,10 @@ def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     entry = _SCREENS.get(key)
     # A freed head's address can come back as another model's head of the same shape
     # (LLMs made one after another in a process): a few of its rows tell them apart.
-    if entry is not None and torch.equal(entry[5], w[entry[4]]):
+    # A write through torch moves the version counter; one through `.data` is announced
+    # with mark_weights_changed, which clears every screen.
+    version = native.version_counter(w)
+    if entry is not None and entry[6] == version and torch.equal(entry[5], w[entry[4]]):
         return entry[:4]
     (n, k), kp = w.shape, -(-w.shape[1] // 64) * 64
     rows = torch.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).long()
@@ -108,7 +111,7 @@ def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         # loops err, so twice that, and twice again for margin.
         slack = 4 * k * 2**-24 * float(w.float().norm(dim=1).max())
     slack_bits = int(torch.tensor(slack, dtype=torch.float32).view(torch.int32))
-    entry = (q, meta, kp, slack_bits & 0xFFFFFFFF, rows, w[rows].clone())
+    entry = (q, meta, kp, slack_bits & 0xFFFFFFFF, rows, w[rows].clone(), version)
     _SCREENS[key] = entry
     return entry[:4]
 

@@ -118,13 +118,6 @@ def available() -> bool:
     return bool(supported_dtypes())
 
 
-def _version(w: torch.Tensor) -> int:
-    try:
-        return w._version
-    except RuntimeError:  # an inference tensor: no version counter, never modified in place
-        return 0
-
-
 def _prepare(w: torch.Tensor) -> torch.Tensor:
     if not uses_own_kernel(w.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
@@ -143,7 +136,7 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
     # up than a WeakIdKeyDictionary, and a batched step looks up 121 weights.
     ident = id(w)
     entry = _PACKED.get(ident)
-    key = (w.data_ptr(), _version(w), _WRITES[0])
+    key = (w.data_ptr(), native.version_counter(w), _WRITES[0])
     if entry is None or entry[0]() is not w or entry[1] != key:
         with torch.no_grad():
             packed = _prepare(w)
