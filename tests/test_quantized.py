@@ -84,6 +84,27 @@ def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_
     assert (got.double() - want).abs().max().item() <= 1e-5 * max(scale, 1.0)
 
 
+@testing.settings(max_examples=30)
+@given(n=st.integers(1, 40), runs=st.integers(1, 6), bits=st.sampled_from([4, 8]),
+       per_channel=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(n, runs, bits, per_channel,
+                                                                     dtype, seed):  # fmt: skip
+    """The CPU op (what a prefill's products and an eager embedding read) is the kernel's
+    dequantization; it must give the reference's values exactly, in fp32 and in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * runs
+    if bits == 4:
+        fields = _q4_fields(g, n, k)
+        got = ops.dequantize_q4(*fields, dtype)
+        want = quantized.dequantize_q4_ref(*fields, dtype)
+    else:
+        fields = _q8_fields(g, n, k, k if per_channel else 32)
+        got = ops.dequantize_q8(*fields, dtype)
+        want = quantized.dequantize_q8_ref(*fields, dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
 @testing.settings(max_examples=15)
 @given(rows=st.integers(1, 16), n=st.integers(1, 40), runs=st.sampled_from([2, 4, 18]),
        bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))  # fmt: skip

@@ -432,6 +432,61 @@ void product_team(const void* x, int64_t flags, const void* w, const f16* scales
   }
 }
 
+// One weight row dequantized into fp32: the reference's values exactly (scale * q is exact
+// in fp32, the min added with one rounding, as torch's mul then add).
+template <bool Q4>
+inline void dequantize_row(const void* wrow, const f16* s, const f16* mn, int64_t K, int64_t g,
+                           float* out) {
+  for (int64_t gi = 0, k0 = 0; k0 < K; ++gi, k0 += g) {
+    const float d = f16_f32(s[gi]), m = Q4 ? f16_f32(mn[gi]) : 0.f;
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(d);
+    if constexpr (Q4) {
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 table = _mm512_fmadd_ps(iota, scale, _mm512_set1_ps(m));
+      for (int64_t k = k0; k < k0 + g; k += 32) {
+        __m512 lo, hi;
+        q4_run(static_cast<const uint8_t*>(wrow) + k / 2, table, lo, hi);
+        _mm512_storeu_ps(out + k, lo);
+        _mm512_storeu_ps(out + k + 16, hi);
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + g; k += 16)
+        _mm512_storeu_ps(out + k, q8_16(static_cast<const int8_t*>(wrow) + k, scale));
+    }
+#else
+    for (int64_t k = k0; k < k0 + g; ++k) {
+      if constexpr (Q4) {
+        const uint8_t byte = static_cast<const uint8_t*>(wrow)[(k / 32) * 16 + (k % 16)];
+        out[k] = float((k % 32) < 16 ? byte & 15 : byte >> 4) * d + m;
+      } else {
+        out[k] = float(static_cast<const int8_t*>(wrow)[k]) * d;
+      }
+    }
+#endif
+  }
+}
+
+// Rows [N, K] of blocks into a dense weight (bf16 when bf, else fp32), the calling thread's
+// share of the rows: a prefill's products (more rows than `product_team` reads blocks for)
+// run on this copy; torch's own dequantization of the reference took ~10x longer.
+template <bool Q4>
+void dequantize_team(const void* w, const f16* scales, const f16* mins, void* out, int64_t bf,
+                     int64_t N, int64_t K, int64_t g) {
+  const auto [begin, end] = share(N);
+  const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
+  float* row = scratch(K);
+  for (int64_t n = begin; n < end; ++n) {
+    const char* wrow = static_cast<const char*>(w) + n * row_bytes;
+    float* dst = bf ? row : static_cast<float*>(out) + n * K;
+    dequantize_row<Q4>(wrow, scales + n * groups, Q4 ? mins + n * groups : nullptr, K, g, dst);
+    if (bf) {
+      bf16* y = static_cast<bf16*>(out) + n * K;
+      for (int64_t k = 0; k < K; ++k) y[k] = to_bf16(row[k]);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -475,6 +530,18 @@ void q8_linear_region(const void* x, int64_t flags, const void* w, const f16* sc
                       int64_t threads) {
 #pragma omp parallel num_threads(threads)
   product_team<false>(x, flags, w, scales, nullptr, bias, y, M, N, K, g);
+}
+
+void dequantize_q4_region(const void* w, const f16* scales, const f16* mins, void* out,
+                          int64_t bf, int64_t N, int64_t K, int64_t g, int64_t threads) {
+#pragma omp parallel num_threads(threads)
+  dequantize_team<true>(w, scales, mins, out, bf, N, K, g);
+}
+
+void dequantize_q8_region(const void* w, const f16* scales, void* out, int64_t bf, int64_t N,
+                          int64_t K, int64_t g, int64_t threads) {
+#pragma omp parallel num_threads(threads)
+  dequantize_team<false>(w, scales, nullptr, out, bf, N, K, g);
 }
 
 }  // extern "C"
