@@ -1,5 +1,5 @@
 """GGUF files (llama.cpp's format): the model's config and tokenizer, and its tensors with
-the Q8_0, Q4_0 and Q4_1 blocks kept as they are stored.
+the Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks kept (the K-quants with fp32 scales).
 
 Config and tokenizer come from transformers' GGUF reader, which takes ~10 s for a small
 model, so they are written once into a folder under the cache (`metadata_dir`) keyed by
@@ -8,8 +8,9 @@ the file's path, size and time; the weights are read from the file on every load
 Tensor names follow llama.cpp's (`blk.0.attn_q.weight`) and map to HF's; llama.cpp's
 converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbours,
 HF's pairs halves), which `_unpermute` reverses, on the blocks as on float tensors (a
-row of blocks is a row of the weight). Other block types (the K-quants, Q5_x, ...) are
-dequantized to fp32 when loaded, with a warning naming them.
+row of blocks is a row of the weight). Other block types (Q5_K, Q5_x, ...) are
+dequantized to fp32 when loaded, with a warning naming them; so is a fused module (QKV,
+gate/up) whose parts differ in block type (Q4_K_M's Q6_K v projections), with a warning.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def _reader(path: Path) -> GGUFFile:
 def _kept_formats() -> dict[Any, QuantFormat]:
     from gguf import GGMLQuantizationType as T
 
-    return {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32)}
+    return {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32),
+            T.Q4_K: QuantFormat(4, 32, torch.float32),
+            T.Q6_K: QuantFormat(8, 16, torch.float32)}  # fmt: skip
 
 
 def _dense_types() -> set[Any]:
@@ -112,19 +115,25 @@ def quant_config(path: str | Path) -> QuantizationConfig:
     return QuantizationConfig("gguf", formats=formats)
 
 
+def _fused_name(name: str) -> str:
+    """`...self_attn.v_proj.weight` -> `...self_attn.qkv_proj` (the module that holds it)."""
+    parent, _, leaf = name.rsplit(".", 1)[0].rpartition(".")
+    fused = next((f for f, parts in _FUSED.items() if leaf in parts), leaf)
+    return f"{parent}.{fused}"
+
+
 def _module_format(name: str, config: QuantizationConfig) -> QuantFormat | None:
-    module, _, _ = name.rpartition(".")
-    parent, _, leaf = module.rpartition(".")
-    for fused, parts in _FUSED.items():
-        if leaf in parts:
-            module = f"{parent}.{fused}"
-    return config.formats.get(module)
+    return config.formats.get(_fused_name(name))
 
 
 def _blocks(raw: torch.Tensor, type_: Any) -> dict[str, torch.Tensor]:
     """One tensor's GGUF blocks [rows, bytes] as our format's fields."""
     from gguf import GGMLQuantizationType as T
 
+    if type_ == T.Q4_K:
+        return _q4_k_blocks(raw)
+    if type_ == T.Q6_K:
+        return _q6_k_blocks(raw)
     size = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}[type_]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)
@@ -139,6 +148,47 @@ def _blocks(raw: torch.Tensor, type_: Any) -> dict[str, torch.Tensor]:
     start, mins = (4, half(2)) if type_ == T.Q4_1 else (2, (-8 * scales.float()).half())
     return {"qweight": blocks[:, :, start:].reshape(rows, -1).contiguous(), "scales": scales,
             "mins": mins}  # fmt: skip
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    """fp16 values from their little-endian byte pairs (uint8 [..., 2]) as fp32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _q4_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Q4_K super-blocks (256 values, 144 bytes: d, dmin fp16; 12 bytes of 6-bit scales
+    and mins for 8 runs of 32; 128 bytes of nibbles, each 64-value chunk a run in the low
+    nibbles and the next in the high ones) as our q4 fields: scales d x sc and mins
+    -dmin x m in fp32 (exact: an fp16 times 6 bits), nibbles in our per-run order."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 144)
+    d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
+    q = b[..., 4:16].long()  # llama.cpp's get_scale_min_k4
+    sc = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], -1)
+    m = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+    qs = b[..., 16:].reshape(rows, -1, 4, 32)
+    runs = torch.stack([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 32)  # [rows, runs, 32]
+    packed = runs[..., :16] | (runs[..., 16:] << 4)
+    return {"qweight": packed.reshape(rows, -1).contiguous(),
+            "scales": (d[..., None] * sc).reshape(rows, -1),
+            "mins": -(dmin[..., None] * m).reshape(rows, -1)}  # fmt: skip
+
+
+def _q6_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Q6_K super-blocks (256 values, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit
+    highs, 16 int8 scales for runs of 16, d fp16) as our q8 fields in groups of 16: the
+    values q - 32 and scales d x sc in fp32 (exact, as is d x sc x q)."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 210)
+    ql = b[..., :128].reshape(rows, -1, 2, 2, 32)  # [.., half, low 32 / high 32, l]
+    qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    lo = torch.cat([ql & 15, ql >> 4], dim=3)  # value runs 0, 1, 2, 3 of each half
+    hi = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3
+    q = (lo | (hi << 4)).to(torch.int8) - 32
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()
+    d = _halves(b[..., 208:210])
+    return {"qweight": q.reshape(rows, -1).contiguous(),
+            "scales": (d[..., None] * sc).reshape(rows, -1)}  # fmt: skip
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -159,7 +209,7 @@ def iterate_weights(
     heads = {"q_proj": hf_config.num_attention_heads,
              "k_proj": getattr(hf_config, "num_key_value_heads", None)
              or hf_config.num_attention_heads}  # fmt: skip
-    dense, dequantized = _dense_types(), set()
+    dense, dequantized, mixed = _dense_types(), set(), set()
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
             continue
@@ -172,6 +222,8 @@ def iterate_weights(
         else:
             if tensor.tensor_type not in dense and tensor.tensor_type not in _kept_formats():
                 dequantized.add(tensor.tensor_type.name)
+            elif config is not None and tensor.tensor_type in _kept_formats():
+                mixed.add(_fused_name(name))  # a fused module whose parts differ
             values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
             fields = {"weight": torch.from_numpy(np.array(values, dtype=np.float32))}
         leaf = name.rsplit(".", 2)[-2]
@@ -181,8 +233,12 @@ def iterate_weights(
         for key, value in fields.items():
             yield (f"{base}.{key}" if base else name), value
     if dequantized:
+        kept = ", ".join(t.name for t in _kept_formats())
         logger.warning("%s: %s blocks are dequantized to floats when loaded (kept as stored: "
-                       "Q8_0, Q4_0, Q4_1)", path, ", ".join(sorted(dequantized)))  # fmt: skip
+                       "%s)", path, ", ".join(sorted(dequantized)), kept)  # fmt: skip
+    if mixed:
+        logger.warning("%s: %d fused modules (%s, ...) hold parts in different block types and "
+                       "load as floats", path, len(mixed), sorted(mixed)[0])  # fmt: skip
 
 
 def metadata_dir(path: str | Path) -> Path:

@@ -1,6 +1,7 @@
 """Small GGUF files for tests, written with gguf-py (llama.cpp's own Python package) the
 way llama.cpp's converter writes them: llama.cpp's tensor names, the q and k projections'
-rows permuted for its RoPE, each weight quantized with gguf-py's reference quantizer.
+rows permuted for its RoPE, each weight quantized with gguf-py's reference quantizer
+(ours for Q4_K and Q6_K, which it lacks).
 Returns the oracle beside the file: the HF model with every weight replaced by gguf-py's
 own dequantization of its blocks."""
 
@@ -36,6 +37,58 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's converter'
     )
 
 
+def _quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of w [rows, 256 n] (gguf-py quantizes no K-quant): per run of 32 a scale
+    (max - min) / 15 and a min, both as 6-bit multiples of the super-block's d and dmin;
+    packed in llama.cpp's layout (d, dmin, 12 bytes of 6-bit scales and mins, nibbles)."""
+    x = w.reshape(w.shape[0], -1, 8, 32).astype(np.float32)
+    lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
+    scale, minus = (hi - lo) / 15, -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (minus.max(-1) / 63).astype(np.float16)
+    df, dminf = np.maximum(d.astype(np.float32), 1e-8), np.maximum(dmin.astype(np.float32), 1e-8)
+    sc = np.clip(np.rint(scale / df[..., None]), 1, 63).astype(np.uint8)
+    m = np.clip(np.rint(minus / dminf[..., None]), 0, 63).astype(np.uint8)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    off = (dmin.astype(np.float32)[..., None] * m)[..., None]
+    q = np.clip(np.rint((x + off) / np.maximum(step, 1e-8)), 0, 15).astype(np.uint8)
+    packed = np.zeros((*sc.shape[:2], 12), dtype=np.uint8)
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    q = q.reshape(*sc.shape[:2], 4, 2, 32)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*sc.shape[:2], 128)
+    head = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], -1)
+    return np.concatenate([head, packed, qs], -1).reshape(w.shape[0], -1)
+
+
+def _quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of w [rows, 256 n]: per run of 16 an int8 multiple of the super-block's
+    d, values in [-32, 31]; llama.cpp's layout (low nibbles, 2-bit highs, scales, d)."""
+    x = w.reshape(w.shape[0], -1, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    sc = np.clip(np.rint(scale / np.maximum(d.astype(np.float32), 1e-8)[..., None]), 1, 127)
+    step = (d.astype(np.float32)[..., None] * sc)[..., None]
+    q = (np.clip(np.rint(x / np.maximum(step, 1e-8)), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(*sc.shape[:2], 2, 4, 32)  # [.., half, run of 32 (value l + 32 k), l]
+    ql = np.concatenate([q[..., 0, :] & 15 | (q[..., 2, :] & 15) << 4,
+                         q[..., 1, :] & 15 | (q[..., 3, :] & 15) << 4], -1)  # fmt: skip
+    qh = sum(((q[..., k, :] >> 4) & 3) << (2 * k) for k in range(4)).astype(np.uint8)
+    blocks = [ql.reshape(*sc.shape[:2], 128), qh.reshape(*sc.shape[:2], 64),
+              sc.astype(np.int8).view(np.uint8), d[..., None].view(np.uint8)]  # fmt: skip
+    return np.concatenate(blocks, -1).reshape(w.shape[0], -1)
+
+
+def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
+    """GGUF blocks of w: gguf-py's quantizer, or ours for the K-quants it lacks."""
+    if qtype == Q.Q4_K:
+        return _quantize_q4_k(w)
+    if qtype == Q.Q6_K:
+        return _quantize_q6_k(w)
+    return quants.quantize(w, qtype)
+
+
 def write_gguf(path: Path, hf_model: torch.nn.Module, types: dict[str, Q], default: Q):
     """`hf_model` (a LlamaForCausalLM) as a GGUF file; every 2-D weight in `default`'s
     blocks, or `types[substring]` where a substring of its HF name matches. Returns the
@@ -63,7 +116,7 @@ def write_gguf(path: Path, hf_model: torch.nn.Module, types: dict[str, Q], defau
         w = tensor.float().numpy()
         if w.ndim == 2:
             qtype = next((t for key, t in types.items() if key in name), default)
-            blocks = quants.quantize(w, qtype)
+            blocks = quantize(w, qtype)
             state[name].copy_(torch.from_numpy(quants.dequantize(blocks, qtype).copy()))
             leaf = name.rsplit(".", 2)[-2]
             if leaf in heads:  # rows of blocks are rows of the weight

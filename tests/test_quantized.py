@@ -22,30 +22,39 @@ from passes.decompose_dequantize import DecomposeDequantizePass
 from passes.ops import quantized
 from passes.quantized_linear import QuantizedLinearPass
 from tests.gguf_files import Q
+from tests.gguf_files import quantize as gguf_quantize
 from tests.helpers import TOKENIZER_VOCAB, hf_logits, load_ours, packed_logits
 
 ops = torch.ops.compilecore
 
 
-def _q4_fields(g, n, k, group=32):
+def _scales(g, shape, top, k_quant=False):
+    """fp16 scales, or a K-quant's fp32 ones: an fp16 times a 6-bit integer (exact)."""
+    base = (torch.rand(shape, generator=g) * top).half()
+    if not k_quant:
+        return base
+    return (base / 63).half().float() * torch.randint(1, 64, shape, generator=g).float()
+
+
+def _q4_fields(g, n, k, group=32, k_quant=False):
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(n, k // group, generator=g) * 0.05).half()
-    mins = (-torch.rand(n, k // group, generator=g) * 0.4).half()
-    return w, scales, mins
+    scales = _scales(g, (n, k // group), 0.05, k_quant)
+    return w, scales, -_scales(g, (n, k // group), 0.4, k_quant)
 
 
-def _q8_fields(g, n, k, group=32):
+def _q8_fields(g, n, k, group=32, k_quant=False):
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    return w, (torch.rand(n, k // group, generator=g) * 0.01).half()
+    return w, _scales(g, (n, k // group), 0.01, k_quant)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
 def test_gguf_blocks_dequantize_as_gguf_py_does(qtype):
-    """Our fields of a GGUF tensor dequantize to exactly gguf-py's values."""
-    w = np.random.default_rng(0).normal(size=(6, 96)).astype(np.float32)
-    blocks = quants.quantize(w, qtype)
+    """Our fields of a GGUF tensor dequantize to exactly gguf-py's values (the K-quants'
+    blocks from our test quantizer: gguf-py reads them, it cannot write them)."""
+    w = np.random.default_rng(0).normal(size=(6, 512)).astype(np.float32)
+    blocks = gguf_quantize(w, qtype)
     fields = gguf._blocks(torch.from_numpy(blocks), qtype)
-    if qtype == Q.Q8_0:
+    if qtype in (Q.Q8_0, Q.Q6_K):
         got = quantized.dequantize_q8_ref(fields["qweight"], fields["scales"], torch.float32)
     else:
         args = (fields["qweight"], fields["scales"], fields["mins"])
@@ -57,25 +66,25 @@ def test_gguf_blocks_dequantize_as_gguf_py_does(qtype):
 @given(
     rows=st.sampled_from([1, 2, 3, 4, 5, 7, 16, 130]), n=st.integers(1, 40), runs=st.integers(1, 6),
     bits=st.sampled_from([4, 8]), per_channel=st.booleans(), bias=st.booleans(),
-    seed=st.integers(0, 2**16),
+    k_quant=st.booleans(), seed=st.integers(0, 2**16),
 )  # fmt: skip
 def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_channel, bias,
-                                                       seed):  # fmt: skip
+                                                       k_quant, seed):  # fmt: skip
     """fp32 activations stay in fp32: the product read from blocks equals the fp32
     reference up to summation order, for any row count (the kernel's up to 128, the
     reference's beyond), tails and a whole-row group."""
     g = torch.Generator().manual_seed(seed)
     k = 32 * runs
-    group = k if per_channel and bits == 8 else 32
+    group = k if per_channel and bits == 8 else 16 if k_quant and bits == 8 else 32  # Q6_K: 16
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     if bits == 4:
-        fields = _q4_fields(g, n, k)
+        fields = _q4_fields(g, n, k, k_quant=k_quant)
         got = ops.q4_linear(x, *fields, b)
         want = F.linear(x.double(), quantized.dequantize_q4_ref(*fields, torch.float64),
                         None if b is None else b.double())  # fmt: skip
     else:
-        fields = _q8_fields(g, n, k, group)
+        fields = _q8_fields(g, n, k, group, k_quant)
         got = ops.q8_linear(x, *fields, b)
         want = F.linear(x.double(), quantized.dequantize_q8_ref(*fields, torch.float64),
                         None if b is None else b.double())  # fmt: skip
@@ -87,19 +96,20 @@ def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_
 @testing.settings(max_examples=30)
 @given(n=st.integers(1, 40), runs=st.integers(1, 6), bits=st.sampled_from([4, 8]),
        per_channel=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**16))  # fmt: skip
-def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(n, runs, bits, per_channel,
-                                                                     dtype, seed):  # fmt: skip
+       k_quant=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
+    n, runs, bits, per_channel, dtype, k_quant, seed
+):
     """The CPU op (what a prefill's products and an eager embedding read) is the kernel's
     dequantization; it must give the reference's values exactly, in fp32 and in bf16."""
     g = torch.Generator().manual_seed(seed)
     k = 32 * runs
     if bits == 4:
-        fields = _q4_fields(g, n, k)
+        fields = _q4_fields(g, n, k, k_quant=k_quant)
         got = ops.dequantize_q4(*fields, dtype)
         want = quantized.dequantize_q4_ref(*fields, dtype)
     else:
-        fields = _q8_fields(g, n, k, k if per_channel else 32)
+        fields = _q8_fields(g, n, k, k if per_channel else 16 if k_quant else 32, k_quant)
         got = ops.dequantize_q8(*fields, dtype)
         want = quantized.dequantize_q8_ref(*fields, dtype)
     assert got.dtype == dtype and torch.equal(got, want)
@@ -107,8 +117,8 @@ def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(n, runs, bi
 
 @testing.settings(max_examples=15)
 @given(rows=st.integers(1, 16), n=st.integers(1, 40), runs=st.sampled_from([2, 4, 18]),
-       bits=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))  # fmt: skip
-def test_bf16_products_stay_within_their_path_bound(rows, n, runs, bits, seed):
+       bits=st.sampled_from([4, 8]), k_quant=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
+def test_bf16_products_stay_within_their_path_bound(rows, n, runs, bits, k_quant, seed):
     """bf16 activations: on AVX512-BF16 the product is exact but for fp32 sums and the
     output's bf16 rounding; on the integer path (AVX512-VNNI without it) each run of 32
     activations is quantized to int8 against its largest magnitude / 127, as llama.cpp
@@ -118,18 +128,18 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, bits, seed):
     k = 32 * runs
     x = torch.randn(rows, k, generator=g).bfloat16()
     if bits == 4:
-        fields = _q4_fields(g, n, k)
+        fields = _q4_fields(g, n, k, k_quant=k_quant)
         got = ops.q4_linear(x, *fields, None, torch.float32)
         w = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
-        fields = _q8_fields(g, n, k)
+        fields = _q8_fields(g, n, k, 16 if k_quant else 32, k_quant)
         got = ops.q8_linear(x, *fields, None, torch.float32)
         w = quantized.dequantize_q8_ref(*fields, torch.float64)
     xd = x.double()
     want = xd @ w.T
     sums = xd.abs() @ w.abs().T  # what fp32 sums can lose, relative
     bound = sums * 1e-5 + 1e-6
-    if quantized.kernel_path() == "int8":
+    if quantized.kernel_path() == "int8" and not (k_quant and bits == 8):  # g 16: fp32 path
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
         run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
         bound = bound + (run_max / 254) @ run_w.T * 1.001
@@ -245,6 +255,36 @@ def test_gguf_logits_match_hf_on_the_dequantized_weights(tiny_gguf):
     assert model.model.layers[0].self_attn.qkv_proj.qweight.dtype == torch.uint8
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, TOKENIZER_VOCAB, (n,), generator=g) for n in (1, 7, 12)]
+    got, want = packed_logits(model, engine_config, prompts), hf_logits(oracle, prompts)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
+    """A Q4_K_M-like mix (Q4_K; Q6_K for the MLP's down projection, the head and one
+    layer's v projection): Q4_K layers hold q4 blocks and Q6_K ones q8 blocks in groups of
+    16, both with fp32 scales; the fused QKV whose parts differ loads as floats. Logits
+    against HF holding gguf-py's dequantization of every block."""
+    from tests.gguf_files import write_gguf
+    from tests.helpers import llama_config, save_checkpoint
+
+    config = llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2)  # fmt: skip
+    hf = save_checkpoint(tmp_path / "hf", config)
+    path = tmp_path / "k.gguf"
+    types = {"mlp.down_proj": Q.Q6_K, "lm_head": Q.Q6_K, "layers.1.self_attn.v_proj": Q.Q6_K}
+    oracle = write_gguf(path, hf, types, Q.Q4_K)
+    quant = gguf.quant_config(path)
+    f32 = torch.float32
+    assert quant.formats["model.layers.0.self_attn.qkv_proj"] == QuantFormat(4, 32, f32)
+    assert quant.formats["model.layers.0.mlp.down_proj"] == QuantFormat(8, 16, f32)
+    assert quant.formats["lm_head"] == QuantFormat(8, 16, f32)
+    assert "model.layers.1.self_attn.qkv_proj" not in quant.formats  # Q4_K + Q6_K parts
+    model, engine_config = load_ours(path, quant_config=quant,
+                                     hf_config=load_hf_config(gguf.metadata_dir(path)))  # fmt: skip
+    assert model.model.layers[0].mlp.down_proj.scales.dtype == f32
+    assert "1 fused modules (model.layers.1.self_attn.qkv_proj" in caplog.text
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, TOKENIZER_VOCAB, (n,), generator=g) for n in (1, 9)]
     got, want = packed_logits(model, engine_config, prompts), hf_logits(oracle, prompts)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 

@@ -28,6 +28,8 @@ from passes.ops import quantized  # noqa: F401 - registers the dequantize ops
 class QuantFormat:
     bits: int  # 4 (q4: scale and min per group) or 8 (q8: scale per group)
     group: int  # values per scale; 0: one scale per row (per output channel)
+    # fp32 for GGUF's K-quants (a super-block scale times a 6-bit one: exact in fp32 only)
+    scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -45,7 +47,7 @@ class QuantFormat:
                 f"a {self.bits}-bit weight of {cols} columns cannot be held in groups of {g} "
                 f"(the row must split into whole groups of a multiple of {step})"
             )
-        scales = ((rows, cols // g), torch.float16)
+        scales = ((rows, cols // g), self.scale_dtype)
         if self.bits == 8:
             return {"qweight": ((rows, cols), torch.int8), "scales": scales}
         return {"qweight": ((rows, cols // 2), torch.uint8), "scales": scales, "mins": scales}

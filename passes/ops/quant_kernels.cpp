@@ -1,13 +1,14 @@
 // Products with block-quantized weights for a few activation rows:
 // y [M, N] = x [M, K] @ dequantize(w)^T (+ bias); `flags` bit 0: x and bias are bf16 (else
-// fp32), bit 1: y is bf16 (else fp32).
+// fp32), bit 1: y is bf16 (else fp32), bit 2: scales and mins are fp32 (else fp16).
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
 //       and value j + 16 in its high one (GGUF's Q4_0 / Q4_1 order); scales and mins fp16
-//       [N, K/g]; value = scale * q + min. GGUF Q4_1 as stored, Q4_0 with min = -8 scale.
-//   q8: w int8 [N, K], scales fp16 [N, K/g]; value = scale * q. GGUF Q8_0 (g = 32) and
-//       int8 per output channel (g = K).
+//       or fp32 [N, K/g]; value = scale * q + min. GGUF Q4_1 as stored, Q4_0 with min =
+//       -8 scale, Q4_K with fp32 scales and mins (its nibbles reordered at load).
+//   q8: w int8 [N, K], scales fp16 or fp32 [N, K/g]; value = scale * q. GGUF Q8_0 (g =
+//       32), Q6_K (g = 16, fp32 scales, q - 32), int8 per output channel (g = K).
 // Three paths. fp32 activations: every value dequantized in fp32 exactly as the reference
 // does (scale * q is exact, one rounding for the min), products summed in fp32. bf16
 // activations with AVX512-BF16: exact products of bf16 nibbles and activations, summed in
@@ -33,6 +34,17 @@ inline float f16_f32(f16 h) {  // IEEE half -> float, subnormals included
   const float sub = float(man) * (1.f / 16777216.f);  // man * 2^-24
   return sign ? -sub : sub;
 }
+
+// Scales and mins are fp16 (GGUF's Q4_0, Q4_1, Q8_0; our int4 and int8) or fp32 (the
+// K-quants': a super-block scale times a sub-block's 6-bit one, exact in fp32, not in fp16).
+inline float scale1(f16 h) { return f16_f32(h); }
+inline float scale1(float f) { return f; }
+#if defined(__AVX512F__)
+inline __m512 scales16(const f16* s, __mmask16 live) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s));
+}
+inline __m512 scales16(const float* s, __mmask16 live) { return _mm512_maskz_loadu_ps(live, s); }
+#endif
 
 inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
   if (!bf) {
@@ -65,16 +77,16 @@ inline void fma_rows(__m512 (&acc)[MB_MAX], __m512 w, const float* x, int64_t K,
 }
 
 // out[m] = x[m] . dequantize(row) for MB rows of x [*, K] (fp32).
-template <int MB, bool Q4>
-inline void row_product(const float* x, int64_t K, int64_t g, const void* wrow, const f16* s,
-                        const f16* mn, float* out) {
+template <int MB, bool Q4, typename S>
+inline void row_product(const float* x, int64_t K, int64_t g, const void* wrow, const S* s,
+                        const S* mn, float* out) {
   __m512 acc[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t gi = 0, k0 = 0; k0 < K; ++gi, k0 += g) {
-    const __m512 scale = _mm512_set1_ps(_cvtsh_ss(s[gi]));
+    const __m512 scale = _mm512_set1_ps(scale1(s[gi]));
     if constexpr (Q4) {
-      const __m512 table = _mm512_fmadd_ps(iota, scale, _mm512_set1_ps(_cvtsh_ss(mn[gi])));
+      const __m512 table = _mm512_fmadd_ps(iota, scale, _mm512_set1_ps(scale1(mn[gi])));
       for (int64_t k = k0; k < k0 + g; k += 32) {
         __m512 lo, hi;
         q4_run(static_cast<const uint8_t*>(wrow) + k / 2, table, lo, hi);
@@ -89,9 +101,9 @@ inline void row_product(const float* x, int64_t K, int64_t g, const void* wrow, 
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 #else
-template <int MB, bool Q4>
-inline void row_product(const float* x, int64_t K, int64_t g, const void* wrow, const f16* s,
-                        const f16* mn, float* out) {
+template <int MB, bool Q4, typename S>
+inline void row_product(const float* x, int64_t K, int64_t g, const void* wrow, const S* s,
+                        const S* mn, float* out) {
   float acc[MB_MAX] = {0.f, 0.f, 0.f, 0.f};
   for (int64_t k = 0; k < K; ++k) {
     const int64_t gi = k / g;
@@ -99,9 +111,9 @@ inline void row_product(const float* x, int64_t K, int64_t g, const void* wrow, 
     if constexpr (Q4) {
       const uint8_t byte = static_cast<const uint8_t*>(wrow)[(k / 32) * 16 + (k % 16)];
       const int q = (k % 32) < 16 ? (byte & 15) : (byte >> 4);
-      w = float(q) * f16_f32(s[gi]) + f16_f32(mn[gi]);
+      w = float(q) * scale1(s[gi]) + scale1(mn[gi]);
     } else {
-      w = float(static_cast<const int8_t*>(wrow)[k]) * f16_f32(s[gi]);
+      w = float(static_cast<const int8_t*>(wrow)[k]) * scale1(s[gi]);
     }
     for (int m = 0; m < MB; ++m) acc[m] += w * x[m * K + k];
   }
@@ -158,21 +170,21 @@ inline __m512i unsigned64(const void* w, int64_t k) {
 }
 
 // out[m] = xq[m] . row for MB quantized rows; K a multiple of 64, g = 32.
-template <int MB, bool Q4>
-inline void row_product_int8(const QuantRow* rows, int64_t K, const void* wrow, const f16* s,
-                             const f16* mn, float* out) {
+template <int MB, bool Q4, typename S>
+inline void row_product_int8(const QuantRow* rows, int64_t K, const void* wrow, const S* s,
+                             const S* mn, float* out) {
   __m512 acc[MB_MAX], mins[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
   const int64_t runs = K / 32;
   for (int64_t r0 = 0; r0 < runs; r0 += 16) {
     const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
     const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 sw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s + r0));
+    const __m512 sw = scales16(s + r0, live);
     __m512 comb[MB_MAX];
     for (int m = 0; m < MB; ++m) {
       comb[m] = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(live, rows[m].scale + r0));
       if constexpr (Q4)
-        mins[m] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + r0)),
+        mins[m] = _mm512_fmadd_ps(scales16(mn + r0, live),
                                   _mm512_maskz_loadu_ps(live, rows[m].sum + r0), mins[m]);
     }
     for (int64_t p = 0; p < n; p += 2) {  // a pair of runs: lanes 0-7 and 8-15
@@ -228,9 +240,9 @@ inline void reorder_pairs(const bf16* x, int64_t K, bf16* xp) {
   }
 }
 
-template <int MB>
+template <int MB, typename S>
 inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w,
-                                const f16* s, const f16* mn, float* out) {
+                                const S* s, const S* mn, float* out) {
   __m512 acc[MB_MAX], mins[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
   const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
@@ -238,9 +250,9 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
   for (int64_t r0 = 0; r0 < runs; r0 += 16) {
     const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
     const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s + r0));
+    const __m512 d = scales16(s + r0, live);
     const __m512 m_eff = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f),
-                                          _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + r0)));
+                                          scales16(mn + r0, live));
     for (int m = 0; m < MB; ++m)
       mins[m] = _mm512_fmadd_ps(m_eff, _mm512_maskz_loadu_ps(live, rows[m].sum + r0), mins[m]);
     for (int64_t p = 0; p < n; p += 2) {  // a pair of runs: lanes 0-7 and 8-15
@@ -268,9 +280,9 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
 // 128 + nibble as above, two exact products per run, in memory order (one run a vector):
 //   sum_j q_j x_j = 16 (A - 128 X) + (B - 128 X) - 128 X = 16 A + B - 2304 X,
 // A = sum (128 + h_j) x_j, B = sum (128 + l_j) x_j, X = sum x_j (the run's sum).
-template <int MB>
+template <int MB, typename S>
 inline void row_product_q8_bf16(const bf16* const* xs, const float* const* sums, int64_t K,
-                                const int8_t* w, const f16* s, float* out) {
+                                const int8_t* w, const S* s, float* out) {
   __m512 acc[MB_MAX], offs[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = offs[m] = _mm512_setzero_ps();
   const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
@@ -279,7 +291,7 @@ inline void row_product_q8_bf16(const bf16* const* xs, const float* const* sums,
   for (int64_t r0 = 0; r0 < runs; r0 += 16) {
     const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
     const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s + r0));
+    const __m512 d = scales16(s + r0, live);
     const __m512 off = _mm512_mul_ps(d, _mm512_set1_ps(-2304.f));
     for (int m = 0; m < MB; ++m)
       offs[m] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(live, sums[m] + r0), offs[m]);
@@ -334,8 +346,8 @@ inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
 // The row products are templates on a block's row count (accumulators in registers), so
 // each path dispatches on mb itself: one generic lambda doing it for all four cost the
 // q8 product 10-15% at 4 rows (the same-process A/B of NOTES 46).
-template <bool Q4>
-void product_team(const void* x, int64_t flags, const void* w, const f16* scales, const f16* mins,
+template <bool Q4, typename S>
+void product_team(const void* x, int64_t flags, const void* w, const S* scales, const S* mins,
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
   const int64_t bf = flags & 1;
   const Path path = choose(Q4, bf, K, g);
@@ -374,7 +386,7 @@ void product_team(const void* x, int64_t flags, const void* w, const f16* scales
   const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
-    const f16 *s = scales + n * groups, *mn = Q4 ? mins + n * groups : nullptr;
+    const S *s = scales + n * groups, *mn = Q4 ? mins + n * groups : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
@@ -434,11 +446,11 @@ void product_team(const void* x, int64_t flags, const void* w, const f16* scales
 
 // One weight row dequantized into fp32: the reference's values exactly (scale * q is exact
 // in fp32, the min added with one rounding, as torch's mul then add).
-template <bool Q4>
-inline void dequantize_row(const void* wrow, const f16* s, const f16* mn, int64_t K, int64_t g,
+template <bool Q4, typename S>
+inline void dequantize_row(const void* wrow, const S* s, const S* mn, int64_t K, int64_t g,
                            float* out) {
   for (int64_t gi = 0, k0 = 0; k0 < K; ++gi, k0 += g) {
-    const float d = f16_f32(s[gi]), m = Q4 ? f16_f32(mn[gi]) : 0.f;
+    const float d = scale1(s[gi]), m = Q4 ? scale1(mn[gi]) : 0.f;
 #if defined(__AVX512F__)
     const __m512 scale = _mm512_set1_ps(d);
     if constexpr (Q4) {
@@ -470,8 +482,8 @@ inline void dequantize_row(const void* wrow, const f16* s, const f16* mn, int64_
 // Rows [N, K] of blocks into a dense weight (bf16 when bf, else fp32), the calling thread's
 // share of the rows: a prefill's products (more rows than `product_team` reads blocks for)
 // run on this copy; torch's own dequantization of the reference took ~10x longer.
-template <bool Q4>
-void dequantize_team(const void* w, const f16* scales, const f16* mins, void* out, int64_t bf,
+template <bool Q4, typename S>
+void dequantize_team(const void* w, const S* scales, const S* mins, void* out, int64_t bf,
                      int64_t N, int64_t K, int64_t g) {
   const auto [begin, end] = share(N);
   const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
@@ -507,41 +519,65 @@ int64_t quant_kernels_vectorized() {
 #endif
 }
 
-void q4_linear_team(const void* x, int64_t flags, const void* w, const f16* scales,
-                    const f16* mins, const void* bias, void* y, int64_t M, int64_t N, int64_t K,
+// `flags` bit 2: scales and mins are fp32 (else fp16).
+void q4_linear_team(const void* x, int64_t flags, const void* w, const void* scales,
+                    const void* mins, const void* bias, void* y, int64_t M, int64_t N, int64_t K,
                     int64_t g) {
-  product_team<true>(x, flags, w, scales, mins, bias, y, M, N, K, g);
+  if (flags & 4)
+    product_team<true>(x, flags, w, static_cast<const float*>(scales),
+                       static_cast<const float*>(mins), bias, y, M, N, K, g);
+  else
+    product_team<true>(x, flags, w, static_cast<const f16*>(scales),
+                       static_cast<const f16*>(mins), bias, y, M, N, K, g);
 }
 
-void q8_linear_team(const void* x, int64_t flags, const void* w, const f16* scales,
+void q8_linear_team(const void* x, int64_t flags, const void* w, const void* scales,
                     const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
-  product_team<false>(x, flags, w, scales, nullptr, bias, y, M, N, K, g);
+  if (flags & 4)
+    product_team<false>(x, flags, w, static_cast<const float*>(scales),
+                        static_cast<const float*>(nullptr), bias, y, M, N, K, g);
+  else
+    product_team<false>(x, flags, w, static_cast<const f16*>(scales),
+                        static_cast<const f16*>(nullptr), bias, y, M, N, K, g);
 }
 
-void q4_linear_region(const void* x, int64_t flags, const void* w, const f16* scales,
-                      const f16* mins, const void* bias, void* y, int64_t M, int64_t N,
+void q4_linear_region(const void* x, int64_t flags, const void* w, const void* scales,
+                      const void* mins, const void* bias, void* y, int64_t M, int64_t N,
                       int64_t K, int64_t g, int64_t threads) {
 #pragma omp parallel num_threads(threads)
-  product_team<true>(x, flags, w, scales, mins, bias, y, M, N, K, g);
+  q4_linear_team(x, flags, w, scales, mins, bias, y, M, N, K, g);
 }
 
-void q8_linear_region(const void* x, int64_t flags, const void* w, const f16* scales,
+void q8_linear_region(const void* x, int64_t flags, const void* w, const void* scales,
                       const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g,
                       int64_t threads) {
 #pragma omp parallel num_threads(threads)
-  product_team<false>(x, flags, w, scales, nullptr, bias, y, M, N, K, g);
+  q8_linear_team(x, flags, w, scales, bias, y, M, N, K, g);
 }
 
-void dequantize_q4_region(const void* w, const f16* scales, const f16* mins, void* out,
-                          int64_t bf, int64_t N, int64_t K, int64_t g, int64_t threads) {
+// `flags` bit 0: out is bf16 (else fp32); bit 2: scales and mins are fp32 (else fp16).
+void dequantize_q4_region(const void* w, const void* scales, const void* mins, void* out,
+                          int64_t flags, int64_t N, int64_t K, int64_t g, int64_t threads) {
+  const int64_t bf = flags & 1;
 #pragma omp parallel num_threads(threads)
-  dequantize_team<true>(w, scales, mins, out, bf, N, K, g);
+  if (flags & 4)
+    dequantize_team<true>(w, static_cast<const float*>(scales),
+                          static_cast<const float*>(mins), out, bf, N, K, g);
+  else
+    dequantize_team<true>(w, static_cast<const f16*>(scales), static_cast<const f16*>(mins),
+                          out, bf, N, K, g);
 }
 
-void dequantize_q8_region(const void* w, const f16* scales, void* out, int64_t bf, int64_t N,
-                          int64_t K, int64_t g, int64_t threads) {
+void dequantize_q8_region(const void* w, const void* scales, void* out, int64_t flags,
+                          int64_t N, int64_t K, int64_t g, int64_t threads) {
+  const int64_t bf = flags & 1;
 #pragma omp parallel num_threads(threads)
-  dequantize_team<false>(w, scales, nullptr, out, bf, N, K, g);
+  if (flags & 4)
+    dequantize_team<false>(w, static_cast<const float*>(scales),
+                           static_cast<const float*>(nullptr), out, bf, N, K, g);
+  else
+    dequantize_team<false>(w, static_cast<const f16*>(scales), static_cast<const f16*>(nullptr),
+                           out, bf, N, K, g);
 }
 
 }  // extern "C"

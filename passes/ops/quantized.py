@@ -5,10 +5,11 @@ Formats (planar, one tensor per field, so that a tensor-parallel slice of output
 slice of each field, and a slice of input columns one of whole groups):
 
 - q4: `w` uint8 [N, K/2], in each run of 32 values byte j holds value j (low nibble) and
-  value j + 16 (high nibble), GGUF's order; `scales`, `mins` fp16 [N, K/g];
-  value = scale * q + min. GGUF Q4_1 as stored; Q4_0 is min = -8 scale; int4 groups.
-- q8: `w` int8 [N, K], `scales` fp16 [N, K/g]; value = scale * q. GGUF Q8_0 (g = 32),
-  int8 per output channel (g = K).
+  value j + 16 (high nibble), GGUF's order; `scales`, `mins` fp16 (or fp32) [N, K/g];
+  value = scale * q + min. GGUF Q4_1 as stored; Q4_0 is min = -8 scale; int4 groups;
+  Q4_K with fp32 scales and mins (super-block scale x 6-bit sub-block scale, exact).
+- q8: `w` int8 [N, K], `scales` fp16 (or fp32) [N, K/g]; value = scale * q. GGUF Q8_0
+  (g = 32), Q6_K (g = 16, fp32 scales, q - 32), int8 per output channel (g = K).
 
 Ops (namespace `compilecore`): `dequantize_q4`, `dequantize_q8` (what a quantized linear
 layer traces as: `mm(x, dequantize(...)^T)`, visible in every dump), and `q4_linear`,
@@ -95,14 +96,15 @@ def _dequantize_native(
         or dtype not in (torch.float32, torch.bfloat16)
         or k % RUN
         or any(t.device.type != "cpu" or not t.is_contiguous() for t in (w, *fields))
-        or any(t.dtype != torch.float16 for t in fields)
+        or any(t.dtype not in (torch.float16, torch.float32) for t in fields)
+        or len({t.dtype for t in fields}) != 1
         or (lib := _kernel()) is None
     ):
         return None
     n, groups = w.shape[0], fields[0].shape[-1]
     out = torch.empty(n, k, dtype=dtype)
-    args = (w, *fields, out, int(dtype == torch.bfloat16), n, k, k // groups,
-            torch.get_num_threads())  # fmt: skip
+    flags = int(dtype == torch.bfloat16) | 4 * int(fields[0].dtype == torch.float32)
+    args = (w, *fields, out, flags, n, k, k // groups, torch.get_num_threads())
     region = lib.dequantize_q4_region if q4 else lib.dequantize_q8_region
     region(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
     return out
@@ -140,6 +142,8 @@ def _product_call(
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)
+        or any(f.dtype not in (torch.float16, torch.float32) for f in fields)
+        or len({f.dtype for f in fields}) != 1
         or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
         or (lib := _kernel()) is None
     ):
@@ -147,6 +151,7 @@ def _product_call(
     m, k = x.shape
     n, groups = w.shape[0], fields[0].shape[-1]
     flags = int(x.dtype == torch.bfloat16) | 2 * int(y.dtype == torch.bfloat16)
+    flags |= 4 * int(fields[0].dtype == torch.float32)
     args = (x, flags, w, *fields, 0 if bias is None else bias, y, m, n, k, k // groups)
     team, region = getattr(lib, f"{name}_team"), getattr(lib, f"{name}_region")
     return NativeCall(
