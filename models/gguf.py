@@ -117,9 +117,9 @@ def quant_config(path: str | Path) -> QuantizationConfig:
 
 def _fused_name(name: str) -> str:
     """`...self_attn.v_proj.weight` -> `...self_attn.qkv_proj` (the module that holds it)."""
-    parent, _, leaf = name.rsplit(".", 1)[0].rpartition(".")
+    parent, dot, leaf = name.rsplit(".", 1)[0].rpartition(".")
     fused = next((f for f, parts in _FUSED.items() if leaf in parts), leaf)
-    return f"{parent}.{fused}"
+    return f"{parent}{dot}{fused}"
 
 
 def _module_format(name: str, config: QuantizationConfig) -> QuantFormat | None:
