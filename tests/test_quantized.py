@@ -64,14 +64,15 @@ def test_gguf_blocks_dequantize_as_gguf_py_does(qtype):
 
 @testing.settings(max_examples=25)
 @given(
-    rows=st.sampled_from([1, 2, 3, 4, 5, 7, 16, 130]), n=st.integers(1, 40), runs=st.integers(1, 6),
+    rows=st.sampled_from([1, 2, 3, 4, 5, 7, 16, 17, 33, 130]), n=st.integers(1, 40),
+    runs=st.integers(1, 6),
     bits=st.sampled_from([4, 8]), per_channel=st.booleans(), bias=st.booleans(),
     k_quant=st.booleans(), seed=st.integers(0, 2**16),
 )  # fmt: skip
 def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_channel, bias,
                                                        k_quant, seed):  # fmt: skip
     """fp32 activations stay in fp32: the product read from blocks equals the fp32
-    reference up to summation order, for any row count (the kernel's up to 128, the
+    reference up to summation order, for any row count (the kernel's up to 32 or 128, the
     reference's beyond), tails and a whole-row group."""
     g = torch.Generator().manual_seed(seed)
     k = 32 * runs
@@ -194,7 +195,7 @@ def test_quantized_linear_pass_takes_static_rows(bits, dtype):
 
 @pytest.mark.parametrize("rows", [5, 140])
 def test_quantized_linear_pass_takes_symbolic_rows(rows):
-    """The symbolic token count's code too: the op reads blocks for up to 128 rows and
+    """The symbolic token count's code too: the op reads blocks for up to 32-128 rows and
     dequantizes into a dense GEMM beyond (checked against eager at both)."""
     g = torch.Generator().manual_seed(0)
     fn = _linear(_q4_fields(g, 48, 128), 4, torch.float32)

@@ -31,10 +31,13 @@ from passes import native
 from passes.native import NativeCall
 
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
-# Rows up to which the products read the blocks directly; more rows (a prefill) are
-# compute-bound and dequantize once to run the dense product. On a 3072 x 576 q4 weight
-# the kernel took 6-16 ms at 32-128 bf16 rows, dequantize + mm 16-72 ms (NOTES 45).
-MAX_KERNEL_ROWS = 128
+# Rows up to which the products read the blocks directly (exact, bound by reading the
+# weight); more rows are compute-bound and dequantize once (this file's kernel) into a
+# dense GEMM, which rounds each weight to the activations' dtype. With bf16 x the dense
+# path overtakes q4 from ~32 rows and q8 from 16 (NOTES 46), but rounding Q8_0's values
+# to bf16 cost 0.6% perplexity (Q4_1's: nothing), so q8 stays exact up to 128 rows.
+# Never below 16, the CPU graphs' largest batch, whose replays take team calls only.
+MAX_KERNEL_ROWS = {4: 32, 8: 128}
 
 
 def dequantize_q4_ref(
@@ -138,7 +141,7 @@ def _product_call(
     floats = (torch.float32, torch.bfloat16)
     if (
         x.dim() != 2
-        or x.shape[0] > MAX_KERNEL_ROWS
+        or x.shape[0] > MAX_KERNEL_ROWS[4 if len(fields) == 2 else 8]
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)
