@@ -479,12 +479,15 @@ inline void dequantize_row(const void* wrow, const S* s, const S* mn, int64_t K,
   }
 }
 
-// Rows [N, K] of blocks into a dense weight (bf16 when bf, else fp32), the calling thread's
-// share of the rows: a prefill's products (more rows than `product_team` reads blocks for)
-// run on this copy; torch's own dequantization of the reference took ~10x longer.
+// Rows [N, K] of blocks into a dense weight, the calling thread's share of the rows: a
+// prefill's products (more rows than `product_team` reads blocks for) run on this copy;
+// torch's own dequantization of the reference took ~10x longer. `flags` bit 0: bf16 (else
+// fp32); bit 3 (with bit 0): each row [hi | lo] of 2K bf16, hi = bf16(v), lo = bf16(v - hi),
+// so that one bf16 GEMM over [x | x] sums x * v with 16 of v's bits (q8's have up to 19).
 template <bool Q4, typename S>
-void dequantize_team(const void* w, const S* scales, const S* mins, void* out, int64_t bf,
+void dequantize_team(const void* w, const S* scales, const S* mins, void* out, int64_t flags,
                      int64_t N, int64_t K, int64_t g) {
+  const bool bf = flags & 1, split = bf && (flags & 8);
   const auto [begin, end] = share(N);
   const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
   float* row = scratch(K);
@@ -492,11 +495,22 @@ void dequantize_team(const void* w, const S* scales, const S* mins, void* out, i
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
     float* dst = bf ? row : static_cast<float*>(out) + n * K;
     dequantize_row<Q4>(wrow, scales + n * groups, Q4 ? mins + n * groups : nullptr, K, g, dst);
-    if (bf) {
-      bf16* y = static_cast<bf16*>(out) + n * K;
-      for (int64_t k = 0; k < K; ++k) y[k] = to_bf16(row[k]);
-    }
+    if (!bf) continue;
+    bf16* y = static_cast<bf16*>(out) + n * K * (split ? 2 : 1);
+    for (int64_t k = 0; k < K; ++k) y[k] = to_bf16(row[k]);
+    if (split)  // v - hi is exact in fp32
+      for (int64_t k = 0; k < K; ++k) y[K + k] = to_bf16(row[k] - to_f32(y[k]));
   }
+}
+
+// Calls f(scales, mins) with both pointers as the type `flags` bit 2 names (fp32, else
+// fp16): the one place a call's scale type is chosen, outside every loop.
+template <typename F>
+inline void with_scales(int64_t flags, const void* scales, const void* mins, F&& f) {
+  if (flags & 4)
+    f(static_cast<const float*>(scales), static_cast<const float*>(mins));
+  else
+    f(static_cast<const f16*>(scales), static_cast<const f16*>(mins));
 }
 
 }  // namespace
@@ -519,26 +533,19 @@ int64_t quant_kernels_vectorized() {
 #endif
 }
 
-// `flags` bit 2: scales and mins are fp32 (else fp16).
 void q4_linear_team(const void* x, int64_t flags, const void* w, const void* scales,
                     const void* mins, const void* bias, void* y, int64_t M, int64_t N, int64_t K,
                     int64_t g) {
-  if (flags & 4)
-    product_team<true>(x, flags, w, static_cast<const float*>(scales),
-                       static_cast<const float*>(mins), bias, y, M, N, K, g);
-  else
-    product_team<true>(x, flags, w, static_cast<const f16*>(scales),
-                       static_cast<const f16*>(mins), bias, y, M, N, K, g);
+  with_scales(flags, scales, mins, [&](auto s, auto mn) {
+    product_team<true>(x, flags, w, s, mn, bias, y, M, N, K, g);
+  });
 }
 
 void q8_linear_team(const void* x, int64_t flags, const void* w, const void* scales,
                     const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
-  if (flags & 4)
-    product_team<false>(x, flags, w, static_cast<const float*>(scales),
-                        static_cast<const float*>(nullptr), bias, y, M, N, K, g);
-  else
-    product_team<false>(x, flags, w, static_cast<const f16*>(scales),
-                        static_cast<const f16*>(nullptr), bias, y, M, N, K, g);
+  with_scales(flags, scales, nullptr, [&](auto s, auto mn) {
+    product_team<false>(x, flags, w, s, mn, bias, y, M, N, K, g);
+  });
 }
 
 void q4_linear_region(const void* x, int64_t flags, const void* w, const void* scales,
@@ -555,29 +562,22 @@ void q8_linear_region(const void* x, int64_t flags, const void* w, const void* s
   q8_linear_team(x, flags, w, scales, bias, y, M, N, K, g);
 }
 
-// `flags` bit 0: out is bf16 (else fp32); bit 2: scales and mins are fp32 (else fp16).
+// `flags` bit 0: out is bf16 (else fp32); bit 2: scales and mins are fp32 (else fp16);
+// bit 3: out is bf16 [hi | lo] rows (`dequantize_team`).
 void dequantize_q4_region(const void* w, const void* scales, const void* mins, void* out,
                           int64_t flags, int64_t N, int64_t K, int64_t g, int64_t threads) {
-  const int64_t bf = flags & 1;
 #pragma omp parallel num_threads(threads)
-  if (flags & 4)
-    dequantize_team<true>(w, static_cast<const float*>(scales),
-                          static_cast<const float*>(mins), out, bf, N, K, g);
-  else
-    dequantize_team<true>(w, static_cast<const f16*>(scales), static_cast<const f16*>(mins),
-                          out, bf, N, K, g);
+  with_scales(flags, scales, mins, [&](auto s, auto mn) {
+    dequantize_team<true>(w, s, mn, out, flags, N, K, g);
+  });
 }
 
 void dequantize_q8_region(const void* w, const void* scales, void* out, int64_t flags,
                           int64_t N, int64_t K, int64_t g, int64_t threads) {
-  const int64_t bf = flags & 1;
 #pragma omp parallel num_threads(threads)
-  if (flags & 4)
-    dequantize_team<false>(w, static_cast<const float*>(scales),
-                           static_cast<const float*>(nullptr), out, bf, N, K, g);
-  else
-    dequantize_team<false>(w, static_cast<const f16*>(scales), static_cast<const f16*>(nullptr),
-                           out, bf, N, K, g);
+  with_scales(flags, scales, nullptr, [&](auto s, auto mn) {
+    dequantize_team<false>(w, s, mn, out, flags, N, K, g);
+  });
 }
 
 }  // extern "C"

@@ -33,11 +33,12 @@ from passes.native import NativeCall
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # Rows up to which the products read the blocks directly (exact, bound by reading the
 # weight); more rows are compute-bound and dequantize once (this file's kernel) into a
-# dense GEMM, which rounds each weight to the activations' dtype. With bf16 x the dense
-# path overtakes q4 from ~32 rows and q8 from 16 (NOTES 46), but rounding Q8_0's values
-# to bf16 cost 0.6% perplexity (Q4_1's: nothing), so q8 stays exact up to 128 rows.
-# Never below 16, the CPU graphs' largest batch, whose replays take team calls only.
-MAX_KERNEL_ROWS = {4: 32, 8: 128}
+# dense GEMM. With bf16 x the dense path overtakes q4 from ~32 rows and q8 from 16 (NOTES
+# 46). q4 rounds each value to bf16 there (Q4_1's perplexity: unchanged); rounding Q8_0's
+# cost 0.6%, so q8 multiplies [x | x] by the split [hi | lo] copy (16 of a value's 19
+# bits, twice the GEMM's work: NOTES 47). Never below 16, the CPU graphs' largest batch,
+# whose replays take team calls only.
+MAX_KERNEL_ROWS = {4: 32, 8: 32}
 
 
 def dequantize_q4_ref(
@@ -88,10 +89,11 @@ def _kernel() -> ctypes.CDLL | None:
 
 
 def _dequantize_native(
-    w: torch.Tensor, fields: tuple[torch.Tensor, ...], dtype: torch.dtype
+    w: torch.Tensor, fields: tuple[torch.Tensor, ...], dtype: torch.dtype, split: bool = False
 ) -> torch.Tensor | None:
     """The kernel's dequantization of 2-D blocks on CPU into bf16 or fp32 (the same values
-    as the reference, ~10x faster), or None where it does not apply."""
+    as the reference, ~10x faster), or None where it does not apply. `split` (bf16): rows
+    [hi | lo] of 2K, hi + lo the value to 16 bits."""
     q4 = len(fields) == 2
     k = w.shape[-1] * (2 if q4 else 1)
     if (
@@ -105,8 +107,9 @@ def _dequantize_native(
     ):
         return None
     n, groups = w.shape[0], fields[0].shape[-1]
-    out = torch.empty(n, k, dtype=dtype)
-    flags = int(dtype == torch.bfloat16) | 4 * int(fields[0].dtype == torch.float32)
+    split = split and dtype == torch.bfloat16
+    out = torch.empty(n, 2 * k if split else k, dtype=dtype)
+    flags = int(dtype == torch.bfloat16) | 4 * int(fields[0].dtype == torch.float32) | 8 * split
     args = (w, *fields, out, flags, n, k, k // groups, torch.get_num_threads())
     region = lib.dequantize_q4_region if q4 else lib.dequantize_q8_region
     region(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
@@ -205,6 +208,10 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None):
     call = _q8_call((x, w, scales, bias), y)
     if call is None:
         dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
+        if dtype == torch.bfloat16 and x.dim() == 2:
+            split = _dequantize_native(w, (scales,), dtype, split=True)
+            if split is not None:  # bf16 rounding of Q8_0's values cost 0.6% perplexity
+                return _product_ref(torch.cat([x, x], 1), split, bias, out_dtype)
         return _product_ref(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
     call.run()
     return y
