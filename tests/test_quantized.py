@@ -124,7 +124,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, bits, k_quant
     output's bf16 rounding; on the integer path (AVX512-VNNI without it) each run of 32
     activations is quantized to int8 against its largest magnitude / 127, as llama.cpp
     does, which adds up to sum over runs of (max |x| in the run / 254) * sum |w| over the
-    run."""
+    run; q8's int16 path (VNNI) the same with max |x| * 2^-15."""
     g = torch.Generator().manual_seed(seed)
     k = 32 * runs
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -140,11 +140,32 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, bits, k_quant
     want = xd @ w.T
     sums = xd.abs() @ w.abs().T  # what fp32 sums can lose, relative
     bound = sums * 1e-5 + 1e-6
-    if quantized.kernel_path() == "int8" and not (k_quant and bits == 8):  # g 16: fp32 path
+    path = quantized.kernel_path(bits)
+    if path in ("int8", "int16") and not (k_quant and bits == 8):  # g 16: fp32 path
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
         run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
-        bound = bound + (run_max / 254) @ run_w.T * 1.001
+        bound = bound + (run_max / (254 if path == "int8" else 2**15)) @ run_w.T * 1.001
     assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e-35])
+def test_q8_rows_the_int16_path_cannot_hold_take_another(bad):
+    """A run holding an inf, a nan or only magnitudes below a float scale's reach cannot
+    become int16: the call takes the bf16 (or fp32) path. Outputs are non-finite exactly
+    where the reference's are (the bf16 path's offset turns some infs into nans), the
+    others within fp32 sums of the reference, the tiny products included."""
+    g = torch.Generator().manual_seed(3)
+    w, scales = _q8_fields(g, 24, 128)
+    x = torch.randn(3, 128, generator=g).bfloat16()
+    x[1, 40] = bad
+    if bad == 1e-35:
+        x[1, 32:64] = torch.full((32,), bad).bfloat16()
+    got = ops.q8_linear(x, w, scales, None, torch.float32).double()
+    want = x.double() @ quantized.dequantize_q8_ref(w, scales, torch.float64).T
+    finite = want.isfinite()
+    assert torch.equal(got.isfinite(), finite)
+    sums = x.double().abs() @ quantized.dequantize_q8_ref(w, scales, torch.float64).abs().T
+    assert bool(((got - want).abs()[finite] <= (sums * 1e-5 + 1e-30)[finite]).all())
 
 
 @pytest.mark.parametrize("k_quant", [False, True])
@@ -215,7 +236,7 @@ def test_quantized_linear_pass_takes_static_rows(bits, dtype):
 
 @pytest.mark.parametrize("rows", [5, 140])
 def test_quantized_linear_pass_takes_symbolic_rows(rows):
-    """The symbolic token count's code too: the op reads blocks for up to 32 rows and
+    """The symbolic token count's code too: the op reads blocks for up to 32-48 rows and
     dequantizes into a dense GEMM beyond (checked against eager at both)."""
     g = torch.Generator().manual_seed(0)
     fn = _linear(_q4_fields(g, 48, 128), 4, torch.float32)

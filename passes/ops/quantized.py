@@ -33,12 +33,12 @@ from passes.native import NativeCall
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # Rows up to which the products read the blocks directly (exact, bound by reading the
 # weight); more rows are compute-bound and dequantize once (this file's kernel) into a
-# dense GEMM. With bf16 x the dense path overtakes q4 from ~32 rows and q8 from 16 (NOTES
-# 46). q4 rounds each value to bf16 there (Q4_1's perplexity: unchanged); rounding Q8_0's
-# cost 0.6%, so q8 multiplies [x | x] by the split [hi | lo] copy (16 of a value's 19
-# bits, twice the GEMM's work: NOTES 47). Never below 16, the CPU graphs' largest batch,
-# whose replays take team calls only.
-MAX_KERNEL_ROWS = {4: 32, 8: 32}
+# dense GEMM. With bf16 x the dense path overtakes q4 from ~32 rows (NOTES 46) and rounds
+# each value to bf16 there (Q4_1's perplexity: unchanged). Rounding Q8_0's cost 0.6%, so
+# q8 multiplies [x | x] by the split [hi | lo] copy (16 of a value's 19 bits, twice the
+# GEMM's work), which overtakes the int16 kernel from ~48 rows (NOTES 47). Never below
+# 16, the CPU graphs' largest batch, whose replays take team calls only.
+MAX_KERNEL_ROWS = {4: 32, 8: 48}
 
 
 def dequantize_q4_ref(
@@ -126,10 +126,14 @@ def dequantize_q8(w, scales, dtype):
     return dequantize_q8_ref(w, scales, dtype) if out is None else out
 
 
-def kernel_path() -> str:
-    """How the kernel takes bf16 activations here: "bf16" (exact: AVX512-BF16), "int8"
-    (quantized per run of 32: AVX512-VNNI), "fp32" (converted: AVX-512) or "portable"."""
+def kernel_path(bits: int = 4) -> str:
+    """How the kernel takes bf16 activations (runs of 32) here: "bf16" (exact: AVX512-BF16),
+    "int8" (quantized per run of 32: AVX512-VNNI), "fp32" (converted: AVX-512) or
+    "portable"; q8 (`bits` 8) takes "int16" where VNNI builds (exact for every value
+    within 2^8 of its run's largest binade, others within max * 2^-15)."""
     lib = _kernel()
+    if bits == 8 and lib is not None and lib.quant_kernels_q8_int16():
+        return "int16"
     level = 0 if lib is None else int(lib.quant_kernels_vectorized())
     return ("portable", "fp32", "int8", "bf16")[level]
 
