@@ -13,7 +13,7 @@ Fused:
     y  = compilecore.q4_linear(x, qw, scales, mins, b)
 
 The same for `dequantize_q8` -> `q8_linear`. Every product on CPU, at any token count: the
-op reads the blocks directly for up to `MAX_KERNEL_ROWS` (32 for q4, 48 for q8) rows,
+op reads the blocks directly for up to `MAX_KERNEL_ROWS` (32 for q4, 128 for q8) rows,
 where a product is bound by reading its weight (decode; a CPU graph records the call),
 and dequantizes once into a dense GEMM for more (larger batches, a prefill: compute-
 bound). The choice is made per call, so the symbolic-size code serves batched decode

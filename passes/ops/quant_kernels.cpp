@@ -243,24 +243,38 @@ inline bool quantize_row16(const bf16* x, int64_t K, int16_t* q, float* scale) {
   return true;
 }
 
-template <int MB, typename S>
+// Groups of G = 32 (Q8_0, int8) or 16 (Q6_K): `vpdpwssd`'s lane i sums values 2i and 2i+1,
+// so lanes 0-7 hold a run's first 16 values and lanes 8-15 its last 16, and a group of 16
+// takes half the lanes' scale.
+template <int MB, int G, typename S>
 inline void row_product_q8_int16(const Int16Row* rows, int64_t K, const int8_t* w, const S* s,
                                  float* out) {
   __m512 acc[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t runs = K / 32;
-  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
-    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
+  const int64_t groups = K / G;
+  // Each group's run of x: itself (G 32) or its half (G 16).
+  const __m512i run_of = G == 32 ? _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                     13, 14, 15)
+                                 : _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6,
+                                                     7, 7);
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t n = groups - g0 < 16 ? groups - g0 : 16;
     const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 sw = scales16(s + r0, live);
+    const int64_t run0 = g0 * G / 32;
+    const __m512 sw = scales16(s + g0, live);
     __m512 comb[MB_MAX];
     for (int m = 0; m < MB; ++m)
-      comb[m] = _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(live, rows[m].scale + r0));
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t k = (r0 + r) * 32;
+      comb[m] = _mm512_mul_ps(sw, _mm512_permutexvar_ps(run_of, _mm512_maskz_loadu_ps(
+                                      __mmask16((1u << (n * G / 32)) - 1), rows[m].scale + run0)));
+    for (int64_t r = 0; r < n * G / 32; ++r) {
+      const int64_t k = (run0 + r) * 32;
       const __m512i wv = _mm512_cvtepi8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-      const __m512i pick = _mm512_set1_epi32(int(r));
+      const __m512i pick = G == 32 ? _mm512_set1_epi32(int(r))
+                                   : _mm512_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r,
+                                                       2 * r, 2 * r, 2 * r + 1, 2 * r + 1,
+                                                       2 * r + 1, 2 * r + 1, 2 * r + 1,
+                                                       2 * r + 1, 2 * r + 1, 2 * r + 1);
       for (int m = 0; m < MB; ++m) {
         const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv,
                                                 _mm512_loadu_si512(rows[m].q + k));
@@ -410,8 +424,9 @@ enum class Path { fp32, bf16, int8, int16 };
 #endif
 
 inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
+  if (bf && !q4 && (g == 32 || g == 16) && K % 32 == 0 && CC_INT8_PATH && CC_Q8_INT16)
+    return Path::int16;
   if (!bf || g != 32 || K % 64) return Path::fp32;
-  if (!q4 && CC_INT8_PATH && CC_Q8_INT16) return Path::int16;
   if (CC_BF16_PATH) return Path::bf16;
   if (CC_INT8_PATH) return Path::int8;
   return Path::fp32;
@@ -483,10 +498,15 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
             rm[m] = Int16Row{reinterpret_cast<const int16_t*>(base), base + K / 2};
           }
           const int8_t* wq = reinterpret_cast<const int8_t*>(wrow);
-          if (mb == 4) row_product_q8_int16<4>(rm, K, wq, s, out);
-          else if (mb == 3) row_product_q8_int16<3>(rm, K, wq, s, out);
-          else if (mb == 2) row_product_q8_int16<2>(rm, K, wq, s, out);
-          else row_product_q8_int16<1>(rm, K, wq, s, out);
+          if (g == 16) {
+            if (mb == 4) row_product_q8_int16<4, 16>(rm, K, wq, s, out);
+            else if (mb == 3) row_product_q8_int16<3, 16>(rm, K, wq, s, out);
+            else if (mb == 2) row_product_q8_int16<2, 16>(rm, K, wq, s, out);
+            else row_product_q8_int16<1, 16>(rm, K, wq, s, out);
+          } else if (mb == 4) row_product_q8_int16<4, 32>(rm, K, wq, s, out);
+          else if (mb == 3) row_product_q8_int16<3, 32>(rm, K, wq, s, out);
+          else if (mb == 2) row_product_q8_int16<2, 32>(rm, K, wq, s, out);
+          else row_product_q8_int16<1, 32>(rm, K, wq, s, out);
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }

@@ -36,9 +36,11 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # dense GEMM. With bf16 x the dense path overtakes q4 from ~32 rows (NOTES 46) and rounds
 # each value to bf16 there (Q4_1's perplexity: unchanged). Rounding Q8_0's cost 0.6%, so
 # q8 multiplies [x | x] by the split [hi | lo] copy (16 of a value's 19 bits, twice the
-# GEMM's work), which overtakes the int16 kernel from ~48 rows (NOTES 47). Never below
-# 16, the CPU graphs' largest batch, whose replays take team calls only.
-MAX_KERNEL_ROWS = {4: 32, 8: 48}
+# GEMM's work). That copy, written afresh each call, beats the int16 kernel in a single
+# product from ~48 rows but lost to it in 64-row decode steps (0.75x against 0.82x of
+# llama-batched-bench: NOTES 47), so q8 keeps the kernel up to 128 rows. Never below 16,
+# the CPU graphs' largest batch, whose replays take team calls only.
+MAX_KERNEL_ROWS = {4: 32, 8: 128}
 
 
 def dequantize_q4_ref(
