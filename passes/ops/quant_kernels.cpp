@@ -19,7 +19,6 @@
 // and takes its share of the weight rows (one sequential weight stream a thread), so a CPU
 // graph can call it inside one OpenMP team; `*_region` opens a region for eager calls.
 #include "cc_common.h"
-#include <cmath>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -204,87 +203,6 @@ inline void row_product_int8(const QuantRow* rows, int64_t K, const void* wrow, 
   }
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
 }
-
-// The int16 path for q8 and bf16 activations (runs of 32): each run of x becomes int16
-// against a power-of-two scale 2^(e - 15), e the exponent bound of the run's largest
-// magnitude (max < 2^e), so every value within 2^8 of that binade (all of its 8 bits) is
-// exact and a smaller one is off by at most 2^(e - 16) <= max * 2^-15; the weights widen
-// to int16 and `vpdpwssd` sums 32 products a run exactly in int32 (|sum| < 2^24, so its
-// float is exact too), then one fp32 product with the two scales (the activations' is a
-// power of two, so that product is exact). One dot product a value where the bf16 path
-// takes two (NOTES 47).
-struct Int16Row {
-  const int16_t* q;    // [K]
-  const float* scale;  // [K/32]
-};
-
-// False where a run holds a nan, an inf or a magnitude too small for a float scale (the
-// call then takes the bf16 or fp32 path, which carry those).
-inline bool quantize_row16(const bf16* x, int64_t K, int16_t* q, float* scale) {
-  for (int64_t run = 0; run < K / 32; ++run) {
-    const bf16* xr = x + run * 32;
-    const __m512i exponents = _mm512_and_si512(_mm512_loadu_si512(xr), _mm512_set1_epi16(0x7f80));
-    if (_mm512_cmpeq_epi16_mask(exponents, _mm512_set1_epi16(0x7f80))) return false;  // nan, inf
-    __m512 half[2];
-    for (int h = 0; h < 2; ++h)
-      half[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16 * h))), 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]),
-                                                          _mm512_abs_ps(half[1])));
-    int e = 0;
-    std::frexp(amax, &e);
-    if (amax != 0.f && e < -100) return false;
-    const __m512 inv = _mm512_set1_ps(amax == 0.f ? 0.f : std::ldexp(1.f, 15 - e));
-    for (int h = 0; h < 2; ++h)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + run * 32 + 16 * h),
-                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(half[h], inv))));
-    scale[run] = amax == 0.f ? 0.f : std::ldexp(1.f, e - 15);
-  }
-  return true;
-}
-
-// Groups of G = 32 (Q8_0, int8) or 16 (Q6_K): `vpdpwssd`'s lane i sums values 2i and 2i+1,
-// so lanes 0-7 hold a run's first 16 values and lanes 8-15 its last 16, and a group of 16
-// takes half the lanes' scale.
-template <int MB, int G, typename S>
-inline void row_product_q8_int16(const Int16Row* rows, int64_t K, const int8_t* w, const S* s,
-                                 float* out) {
-  __m512 acc[MB_MAX];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  const int64_t groups = K / G;
-  // Each group's run of x: itself (G 32) or its half (G 16).
-  const __m512i run_of = G == 32 ? _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                                     13, 14, 15)
-                                 : _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6,
-                                                     7, 7);
-  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-    const int64_t n = groups - g0 < 16 ? groups - g0 : 16;
-    const __mmask16 live = __mmask16((1u << n) - 1);
-    const int64_t run0 = g0 * G / 32;
-    const __m512 sw = scales16(s + g0, live);
-    __m512 comb[MB_MAX];
-    for (int m = 0; m < MB; ++m)
-      comb[m] = _mm512_mul_ps(sw, _mm512_permutexvar_ps(run_of, _mm512_maskz_loadu_ps(
-                                      __mmask16((1u << (n * G / 32)) - 1), rows[m].scale + run0)));
-    for (int64_t r = 0; r < n * G / 32; ++r) {
-      const int64_t k = (run0 + r) * 32;
-      const __m512i wv = _mm512_cvtepi8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
-      const __m512i pick = G == 32 ? _mm512_set1_epi32(int(r))
-                                   : _mm512_setr_epi32(2 * r, 2 * r, 2 * r, 2 * r, 2 * r, 2 * r,
-                                                       2 * r, 2 * r, 2 * r + 1, 2 * r + 1,
-                                                       2 * r + 1, 2 * r + 1, 2 * r + 1,
-                                                       2 * r + 1, 2 * r + 1, 2 * r + 1);
-      for (int m = 0; m < MB; ++m) {
-        const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), wv,
-                                                _mm512_loadu_si512(rows[m].q + k));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pick, comb[m]),
-                                 acc[m]);
-      }
-    }
-  }
-  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
-}
 #define CC_INT8_PATH 1
 #else
 #define CC_INT8_PATH 0
@@ -416,16 +334,9 @@ inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n
 // AVX512-BF16 builds (for q4 as fast as the integer one; for q8, two products a value,
 // 1.34x slower, but the integer path cost Q8_0 1.5% perplexity: NOTES 45), else the
 // integer one (AVX512-VNNI); otherwise fp32.
-// q8 takes the int16 path where VNNI builds (one product a value; CC_Q8_INT16=0 builds
-// without it, the A/B of NOTES 47).
-enum class Path { fp32, bf16, int8, int16 };
-#ifndef CC_Q8_INT16
-#define CC_Q8_INT16 1
-#endif
+enum class Path { fp32, bf16, int8 };
 
 inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
-  if (bf && !q4 && (g == 32 || g == 16) && K % 32 == 0 && CC_INT8_PATH && CC_Q8_INT16)
-    return Path::int16;
   if (!bf || g != 32 || K % 64) return Path::fp32;
   if (CC_BF16_PATH) return Path::bf16;
   if (CC_INT8_PATH) return Path::int8;
@@ -439,22 +350,13 @@ template <bool Q4, typename S>
 void product_team(const void* x, int64_t flags, const void* w, const S* scales, const S* mins,
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
   const int64_t bf = flags & 1;
-  Path path = choose(Q4, bf, K, g);
+  const Path path = choose(Q4, bf, K, g);
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
-  // QuantRow (K int8s, two run arrays, K/4 int32s), the bf16 path's reordered row and sums,
-  // the int16 path's row and run scales (the same size: it falls back to bf16).
+  // QuantRow (K int8s, two run arrays, K/4 int32s), the bf16 path's reordered row and sums.
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
-                          : path != Path::fp32 ? K / 2 + K / 32 : 0;
+                          : path == Path::bf16 ? K / 2 + K / 32 : 0;
   float* xf = scratch(M * (K + per_row));
   float* extra = xf + M * K;
-#if CC_INT8_PATH
-  for (int64_t m = 0; path == Path::int16 && m < M; ++m) {
-    float* base = extra + m * per_row;
-    const bf16* xm = static_cast<const bf16*>(x) + m * K;
-    if (!quantize_row16(xm, K, reinterpret_cast<int16_t*>(base), base + K / 2))
-      path = CC_BF16_PATH ? Path::bf16 : Path::fp32;
-  }
-#endif
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
 #if CC_INT8_PATH
   auto quant_row = [&](int64_t m) {
@@ -489,29 +391,6 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
       const float* xm = xf + m0 * K;
-#if CC_INT8_PATH
-      if constexpr (!Q4) {
-        if (path == Path::int16) {
-          Int16Row rm[MB_MAX];
-          for (int64_t m = 0; m < mb; ++m) {
-            const float* base = extra + (m0 + m) * per_row;
-            rm[m] = Int16Row{reinterpret_cast<const int16_t*>(base), base + K / 2};
-          }
-          const int8_t* wq = reinterpret_cast<const int8_t*>(wrow);
-          if (g == 16) {
-            if (mb == 4) row_product_q8_int16<4, 16>(rm, K, wq, s, out);
-            else if (mb == 3) row_product_q8_int16<3, 16>(rm, K, wq, s, out);
-            else if (mb == 2) row_product_q8_int16<2, 16>(rm, K, wq, s, out);
-            else row_product_q8_int16<1, 16>(rm, K, wq, s, out);
-          } else if (mb == 4) row_product_q8_int16<4, 32>(rm, K, wq, s, out);
-          else if (mb == 3) row_product_q8_int16<3, 32>(rm, K, wq, s, out);
-          else if (mb == 2) row_product_q8_int16<2, 32>(rm, K, wq, s, out);
-          else row_product_q8_int16<1, 32>(rm, K, wq, s, out);
-          store(y, flags, bias, N, n, m0, mb, out);
-          continue;
-        }
-      }
-#endif
 #if CC_BF16_PATH
       if constexpr (!Q4) {
         if (path == Path::bf16) {
@@ -642,9 +521,6 @@ int64_t quant_kernels_available() { return 1; }  // a portable loop where AVX-51
 
 // 0: the portable loop; 1: AVX-512 in fp32; 2: bf16 activations on the integer path
 // (int8 activations, VNNI); 3: bf16 activations on the exact bf16 path (AVX512-BF16).
-// 1 where bf16 activations of q8 (runs of 32) take the int16 path.
-int64_t quant_kernels_q8_int16() { return CC_INT8_PATH && CC_Q8_INT16; }
-
 int64_t quant_kernels_vectorized() {
 #if CC_BF16_PATH
   return 3;

@@ -36,10 +36,10 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # dense GEMM. With bf16 x the dense path overtakes q4 from ~32 rows (NOTES 46) and rounds
 # each value to bf16 there (Q4_1's perplexity: unchanged). Rounding Q8_0's cost 0.6%, so
 # q8 multiplies [x | x] by the split [hi | lo] copy (16 of a value's 19 bits, twice the
-# GEMM's work). That copy, written afresh each call, beats the int16 kernel in a single
-# product from ~48 rows but lost to it in 64-row decode steps (0.75x against 0.82x of
-# llama-batched-bench: NOTES 47), so q8 keeps the kernel up to 128 rows. Never below 16,
-# the CPU graphs' largest batch, whose replays take team calls only.
+# GEMM's work). Written afresh each call, that copy beats the kernel in a single product
+# from ~48 rows, but not in 64-row decode steps (NOTES 47), so q8 keeps the kernel up to
+# 128 rows and the copy serves prefill chunks. Never below 16, the CPU graphs' largest
+# batch, whose replays take team calls only.
 MAX_KERNEL_ROWS = {4: 32, 8: 128}
 
 
@@ -128,14 +128,10 @@ def dequantize_q8(w, scales, dtype):
     return dequantize_q8_ref(w, scales, dtype) if out is None else out
 
 
-def kernel_path(bits: int = 4) -> str:
-    """How the kernel takes bf16 activations (runs of 32) here: "bf16" (exact: AVX512-BF16),
-    "int8" (quantized per run of 32: AVX512-VNNI), "fp32" (converted: AVX-512) or
-    "portable"; q8 (`bits` 8) takes "int16" where VNNI builds (exact for every value
-    within 2^8 of its run's largest binade, others within max * 2^-15)."""
+def kernel_path() -> str:
+    """How the kernel takes bf16 activations here: "bf16" (exact: AVX512-BF16), "int8"
+    (quantized per run of 32: AVX512-VNNI), "fp32" (converted: AVX-512) or "portable"."""
     lib = _kernel()
-    if bits == 8 and lib is not None and lib.quant_kernels_q8_int16():
-        return "int16"
     level = 0 if lib is None else int(lib.quant_kernels_vectorized())
     return ("portable", "fp32", "int8", "bf16")[level]
 
