@@ -20,6 +20,8 @@ class CompilationCounter:
     num_cache_errors: int = 0  # corrupt or unreadable entries, recompiled
     num_recompiles: int = 0  # Dynamo traces beyond the first of a model (debug mode raises)
     num_cudagraph_captured: int = 0
+    num_cudagraph_replays: int = 0  # piece replays (a CUDA graph step replays each piece)
+    num_cpu_graph_replays: int = 0  # whole decode steps replayed from a recorded CPU graph
     num_warm_starts: int = 0  # forwards started from a saved recipe, without Dynamo
 
     def clone(self) -> CompilationCounter:

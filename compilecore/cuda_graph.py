@@ -130,6 +130,7 @@ class CUDAGraphWrapper:
         if entry.weights_version != weights_version() or self.debug:
             self._check_weights(entry, args)
         entry.graph.replay()
+        compilation_counter.num_cudagraph_replays += 1
         return entry.output
 
     def _check_weights(self, entry: _Entry, args: tuple) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 from compilecore import cpu_graph
 from compilecore.compile_cache import compile_cache_root
 from compilecore.config import EngineConfig
+from compilecore.counters import compilation_counter
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from compilecore.weight_watch import WeightWatch
@@ -286,6 +287,7 @@ class ModelRunner:
                 # mode's guard: right after the weights have streamed through the caches
                 # each such call costs tens of microseconds (benchmarks/NOTES.md, section 30).
                 self._write_inputs(pad_decode_plan(plan, size))
+                compilation_counter.num_cpu_graph_replays += 1
                 logits = graph.replay()
                 return logits if size == plan.num_tokens else logits[: plan.num_tokens]
             return self._execute(plan, size)

@@ -27,12 +27,17 @@ def test_dry_run_passes_every_step(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = {r["step"]: r for r in report["steps"]}
     assert list(steps) == [
-        "gpu_tests", "greedy_cpu_vs_device", "temperature_sampling", "graphs_vs_eager",
-        "decode_bandwidth", "passes_on_off", "tensor_parallel",
+        "gpu_tests", "greedy_cpu_vs_device", "default_model_bf16", "temperature_sampling",
+        "graphs_vs_eager", "chunked_prefill", "decode_bandwidth", "passes_on_off",
+        "tensor_parallel",
     ]  # fmt: skip
     assert all(r["status"] == "ok" for r in steps.values())
     assert "skipped" in steps["gpu_tests"]["detail"]["summary"]  # collected, no device
     assert steps["graphs_vs_eager"]["detail"]["ratio"] > 0
+    # 4 runs x 63 decode steps, every one a replay but the step that recorded the graph
+    assert steps["graphs_vs_eager"]["detail"]["replays"] == 4 * 63 - 1
+    assert steps["chunked_prefill"]["detail"]["replays"] > 0
+    assert steps["default_model_bf16"]["detail"]["tokens_compared"] > 0
     assert steps["decode_bandwidth"]["detail"]["of_copy"] > 0
     assert "| passes_on_off | ok |" in (tmp_path / "gpu_check.md").read_text()
 
