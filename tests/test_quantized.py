@@ -183,7 +183,7 @@ def test_q8_dense_rows_keep_the_values_bits(k_quant):
     """Beyond `MAX_KERNEL_ROWS` a bf16 q8 product is one bf16 GEMM over [x | x] and the
     split [hi | lo] copy: the values to 16 bits, so the bf16 output is the exact product's
     rounding but where the exact sum lies within ~2^-16 of a rounding boundary. Rounding
-    the values to bf16 instead (0.6% perplexity on Q8_0) misses ~43% of the outputs."""
+    the values to bf16 instead misses ~43% of the outputs."""
     g = torch.Generator().manual_seed(1)
     rows = quantized.MAX_KERNEL_ROWS[8] + 31
     fields = _q8_fields(g, 96, 576, 16 if k_quant else 32, k_quant)

@@ -34,12 +34,13 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # Rows up to which the products read the blocks directly (exact, bound by reading the
 # weight); more rows are compute-bound and dequantize once (this file's kernel) into a
 # dense GEMM. With bf16 x the dense path overtakes q4 from ~32 rows (NOTES 46) and rounds
-# each value to bf16 there (Q4_1's perplexity: unchanged). Rounding Q8_0's cost 0.6%, so
-# q8 multiplies [x | x] by the split [hi | lo] copy (16 of a value's 19 bits, twice the
-# GEMM's work). Written afresh each call, that copy beats the kernel in a single product
-# from ~48 rows, but not in 64-row decode steps (NOTES 47), so q8 keeps the kernel up to
-# 128 rows and the copy serves prefill chunks. Never below 16, the CPU graphs' largest
-# batch, whose replays take team calls only.
+# each value to bf16 there (Q4_1's perplexity: unchanged). Q8_0's values have up to 19
+# bits, and rounding them moved 43% of a product's outputs off the exact one's rounding,
+# so q8 multiplies [x | x] by the split [hi | lo] copy (16 bits, twice the GEMM's work).
+# Written afresh each call, that copy beats the kernel in a single product from ~48 rows,
+# but not in 64-row decode steps (NOTES 47), so q8 keeps the kernel up to 128 rows and
+# the copy serves prefill chunks. Never below 16, the CPU graphs' largest batch, whose
+# replays take team calls only.
 MAX_KERNEL_ROWS = {4: 32, 8: 128}
 
 
@@ -212,7 +213,7 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None):
         dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
         if dtype == torch.bfloat16 and x.dim() == 2:
             split = _dequantize_native(w, (scales,), dtype, split=True)
-            if split is not None:  # bf16 rounding of Q8_0's values cost 0.6% perplexity
+            if split is not None:  # Q8_0's values do not fit bf16 (19 bits)
                 return _product_ref(torch.cat([x, x], 1), split, bias, out_dtype)
         return _product_ref(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
     call.run()
