@@ -126,7 +126,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, bits, k_quant
     output's bf16 rounding; on the integer path (AVX512-VNNI without it) each run of 32
     activations is quantized to int8 against its largest magnitude / 127, as llama.cpp
     does, which adds up to sum over runs of (max |x| in the run / 254) * sum |w| over the
-    run. q8 on the bf16 path takes its +128 offset off per run (below), which cancels:
+    run. The bf16 path takes its +128 offset off per group (below), which cancels:
     outliers (a channel ~1000x the rest, as real models have) show that term."""
     g = torch.Generator().manual_seed(seed)
     k = 32 * runs
@@ -151,10 +151,13 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, bits, k_quant
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
         run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
         bound = bound + (run_max / 254) @ run_w.T * 1.001
-    if path == "bf16" and bits == 8 and not k_quant:
-        # q8's offset comes off as -2304 d X per run: fp32 sums of terms ~2304 d sum|x|.
-        run_abs = xd.abs().reshape(rows, runs, 32).sum(-1)  # [rows, runs]
-        bound = bound + run_abs @ fields[1].double().abs().T * 2304 * 2**-20
+    if path == "bf16":
+        # The offsets come off per group (q8: -2304 d X; q4: (m - 128 d) X), so fp32 sums
+        # hold terms ~2304 d sum|x| (q8) or ~(256 d + |m|) sum|x| (q4) that cancel.
+        group_abs = xd.abs().reshape(rows, fields[1].shape[1], -1).sum(-1)  # [rows, groups]
+        d = fields[1].double().abs()
+        terms = d * 2304 if bits == 8 else d * 256 + fields[2].double().abs()
+        bound = bound + group_abs @ terms.T * 2**-20
     assert bool(((got.double() - want).abs() <= bound).all())
 
 

@@ -223,10 +223,11 @@ struct Bf16Row {
   const float* sum;
 };
 
-inline void run_sums(const bf16* x, int64_t K, float* sum) {
-  for (int64_t run = 0; run < K / 32; ++run) {
+// The sums of x over each group of `len` values.
+inline void run_sums(const bf16* x, int64_t K, float* sum, int64_t len) {
+  for (int64_t run = 0; run < K / len; ++run) {
     float total = 0.f;
-    for (int64_t j = 0; j < 32; ++j) total += to_f32(x[run * 32 + j]);
+    for (int64_t j = 0; j < len; ++j) total += to_f32(x[run * len + j]);
     sum[run] = total;
   }
 }
@@ -279,29 +280,38 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
 // q8 on the same path: u = q + 128 in [0, 255] splits into nibbles u = 16 h + l, each a bf16
 // 128 + nibble as above, two exact products per run, in memory order (one run a vector):
 //   sum_j q_j x_j = 16 (A - 128 X) + (B - 128 X) - 128 X = 16 A + B - 2304 X,
-// A = sum (128 + h_j) x_j, B = sum (128 + l_j) x_j, X = sum x_j (the run's sum).
-template <int MB, typename S>
+// A = sum (128 + h_j) x_j, B = sum (128 + l_j) x_j, X = sum x_j (the group's sum). Groups
+// of G = 32 (Q8_0, int8) or 16 (Q6_K): `vdpbf16ps`'s lane i sums values 2i and 2i + 1, so
+// lanes 0-7 hold a run's first 16 values and lanes 8-15 its last 16, and a group of 16
+// scales half the lanes.
+template <int MB, int G, typename S>
 inline void row_product_q8_bf16(const bf16* const* xs, const float* const* sums, int64_t K,
                                 const int8_t* w, const S* s, float* out) {
   __m512 acc[MB_MAX], offs[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = offs[m] = _mm512_setzero_ps();
   const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
   const __m512i flip = _mm512_set1_epi16(0x0080);
-  const int64_t runs = K / 32;
-  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
-    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
+  const int64_t groups = K / G;
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t n = groups - g0 < 16 ? groups - g0 : 16;
     const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 d = scales16(s + r0, live);
+    const __m512 d = scales16(s + g0, live);
     const __m512 off = _mm512_mul_ps(d, _mm512_set1_ps(-2304.f));
     for (int m = 0; m < MB; ++m)
-      offs[m] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(live, sums[m] + r0), offs[m]);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t k = (r0 + r) * 32;
+      offs[m] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(live, sums[m] + g0), offs[m]);
+    for (int64_t r = 0; r < n * G / 32; ++r) {
+      const int64_t k = g0 * G + r * 32;
       const __m512i u = _mm512_xor_si512(_mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k))), flip);
       const __m512i l = _mm512_ternarylogic_epi32(low, u, exponent, 0xea);
       const __m512i h = _mm512_or_si512(_mm512_srli_epi16(u, 4), exponent);
-      const __m512 scale = _mm512_permutexvar_ps(_mm512_set1_epi32(int(r)), d);
+      const int i = int(r);
+      const __m512i pick = G == 32 ? _mm512_set1_epi32(i)
+                                   : _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i,
+                                                       2 * i, 2 * i, 2 * i + 1, 2 * i + 1,
+                                                       2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                                       2 * i + 1, 2 * i + 1, 2 * i + 1);
+      const __m512 scale = _mm512_permutexvar_ps(pick, d);
       for (int m = 0; m < MB; ++m) {
         const __m512 xv = _mm512_castsi512_ps(_mm512_loadu_si512(xs[m] + k));
         const __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)h, (__m512bh)xv);
@@ -330,14 +340,16 @@ inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n
   }
 }
 
-// Which path a call takes for bf16 activations and runs of 32: the exact bf16 path where
-// AVX512-BF16 builds (for q4 as fast as the integer one; for q8, two products a value,
-// 1.34x slower, but the integer path cost Q8_0 1.5% perplexity: NOTES 45), else the
-// integer one (AVX512-VNNI); otherwise fp32.
+// Which path a call takes for bf16 activations and groups of 32 (or q8's of 16): the exact
+// bf16 path where AVX512-BF16 builds (for q4 as fast as the integer one; for q8, two
+// products a value, 1.34x slower, but the integer path cost Q8_0 1.5% perplexity: NOTES
+// 45), else the integer one (AVX512-VNNI, groups of 32 only); otherwise fp32.
 enum class Path { fp32, bf16, int8 };
 
 inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
-  if (!bf || g != 32 || K % 64) return Path::fp32;
+  if (!bf || K % 64) return Path::fp32;
+  if (!q4 && g == 16) return CC_BF16_PATH ? Path::bf16 : Path::fp32;  // Q6_K's groups
+  if (g != 32) return Path::fp32;
   if (CC_BF16_PATH) return Path::bf16;
   if (CC_INT8_PATH) return Path::int8;
   return Path::fp32;
@@ -354,7 +366,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), the bf16 path's reordered row and sums.
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
-                          : path == Path::bf16 ? K / 2 + K / 32 : 0;
+                          : path == Path::bf16 ? K / 2 + K / 16 : 0;
   float* xf = scratch(M * (K + per_row));
   float* extra = xf + M * K;
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
@@ -379,7 +391,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       float* base = extra + m * per_row;
       const bf16* xm = static_cast<const bf16*>(x) + m * K;
       if (Q4) reorder_pairs(xm, K, reinterpret_cast<bf16*>(base));
-      run_sums(xm, K, base + K / 2);
+      run_sums(xm, K, base + K / 2, Q4 ? 32 : g);
     }
 #endif
   const auto [begin, end] = share(N);
@@ -401,10 +413,15 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
             sums[m] = bf16_row(m0 + m).sum;
           }
           const int8_t* wq = reinterpret_cast<const int8_t*>(wrow);
-          if (mb == 4) row_product_q8_bf16<4>(xs, sums, K, wq, s, out);
-          else if (mb == 3) row_product_q8_bf16<3>(xs, sums, K, wq, s, out);
-          else if (mb == 2) row_product_q8_bf16<2>(xs, sums, K, wq, s, out);
-          else row_product_q8_bf16<1>(xs, sums, K, wq, s, out);
+          if (g == 16) {
+            if (mb == 4) row_product_q8_bf16<4, 16>(xs, sums, K, wq, s, out);
+            else if (mb == 3) row_product_q8_bf16<3, 16>(xs, sums, K, wq, s, out);
+            else if (mb == 2) row_product_q8_bf16<2, 16>(xs, sums, K, wq, s, out);
+            else row_product_q8_bf16<1, 16>(xs, sums, K, wq, s, out);
+          } else if (mb == 4) row_product_q8_bf16<4, 32>(xs, sums, K, wq, s, out);
+          else if (mb == 3) row_product_q8_bf16<3, 32>(xs, sums, K, wq, s, out);
+          else if (mb == 2) row_product_q8_bf16<2, 32>(xs, sums, K, wq, s, out);
+          else row_product_q8_bf16<1, 32>(xs, sums, K, wq, s, out);
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
