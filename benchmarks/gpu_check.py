@@ -9,11 +9,12 @@ and on the device (compiled); the default model's bf16 greedy tokens on the devi
 to CPU eager's up to each sequence's first near-tie; seeded temperature sampling on the
 device; compiled with graphs (CUDA graphs; CPU graphs in a dry run) against eager at batch
 1 (target >= 2x on a GPU; graphs must have replayed); a 300-token prompt in chunks of 64
-with graphs equal to eager; batch-1 decode of a 1B-class Llama with random weights against
-a device-to-device copy (target >= 85% on a GPU); each fusion pass on (and verified)
-against off; tensor parallelism 2 against 1 when two devices exist. Writes
-OUT/gpu_check.json and OUT/gpu_check.md (each step's seconds) and exits 1 naming every
-failed step (2 without a device). The check's engines capture sizes 1, 2, 4, 8 only.
+with graphs equal to eager; its decode with 4 KV splits forced equal to the default's;
+batch-1 decode of a 1B-class Llama with random weights against a device-to-device copy
+(target >= 85% on a GPU); each fusion pass on (and verified) against off; tensor
+parallelism 2 against 1 when two devices exist. Writes OUT/gpu_check.json and
+OUT/gpu_check.md (each step's seconds) and exits 1 naming every failed step (2 without a
+device). The check's engines capture sizes 1, 2, 4, 8 only.
 """
 
 from __future__ import annotations
@@ -242,6 +243,26 @@ def step_chunked_prefill(check: Check) -> dict:
     return {"prompt": len(LONG_PROMPT), "chunk": 64, "tokens": len(got), "replays": replays}
 
 
+def step_split_kv(check: Check) -> dict:
+    """Decode over the 300-token context with the KV walk forced into 4 splits (the split
+    and merge kernels, which short contexts never reach), graphs on: tokens equal to the
+    default choice's."""
+    if check.dry_run:  # the CPU backend has no split; tests/test_triton_attention.py
+        return {"skipped": "the CPU attention backend has no split-KV (interpreter-tested)"}
+    from runtime import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def tokens(llm) -> list[int]:
+        return llm.generate([LONG_PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    want = tokens(check.llm("device"))
+    got = tokens(check.llm("device split 4", attention_num_splits=4))
+    if got != want:
+        raise StepFailed(f"4 KV splits: {got} vs the default's {want}")
+    return {"splits": 4, "context": len(LONG_PROMPT), "tokens": len(got)}
+
+
 def step_decode_bandwidth(check: Check) -> dict:
     check.drop()  # the 1B model wants the memory
     bandwidth = copy_bandwidth(check.device, (2 << 30) if check.device == "cuda" else 256 << 20)
@@ -289,6 +310,7 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("temperature_sampling", step_temperature_sampling),
     ("graphs_vs_eager", step_graphs_vs_eager),
     ("chunked_prefill", step_chunked_prefill),
+    ("split_kv", step_split_kv),
     ("decode_bandwidth", step_decode_bandwidth),
     ("passes_on_off", step_passes_on_off),
     ("tensor_parallel", step_tensor_parallel),

@@ -87,6 +87,9 @@ class CacheConfig:
     # "auto" (Triton on CUDA, the C++ kernels on CPU), "torch", "cpu" or "triton";
     # the COMPILECORE_ATTENTION_BACKEND environment variable overrides it.
     attention_backend: str = "auto"
+    # The Triton backend's split-KV decode: None chooses per step; a number forces it
+    # (the device check runs the split and merge kernels with 4).
+    attention_num_splits: int | None = None
     num_gpu_blocks: int | None = None  # set by the engine once the budget is known
 
     def __post_init__(self) -> None:
@@ -98,6 +101,10 @@ class CacheConfig:
             raise ValueError(
                 "attention_backend must be auto, torch, cpu or triton, got "
                 f"{self.attention_backend!r}"
+            )
+        if self.attention_num_splits is not None and self.attention_num_splits < 1:
+            raise ValueError(
+                f"attention_num_splits must be at least 1, got {self.attention_num_splits}"
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

@@ -72,9 +72,10 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization,
         enable_prefix_caching, enable_chunked_prefill, enforce_eager, compilation_config,
         tensor_parallel_size, pipeline_parallel_size, seed, trust_remote_code; ours:
-        kv_cache_memory, attention_backend, device). `distributed_executor_backend="external"`
-        joins ranks that torchrun started (see runtime/launch.py). `max_logprobs` caps
-        `logprobs` and `prompt_logprobs` (vLLM's default, 20)."""
+        kv_cache_memory, attention_backend, attention_num_splits, device).
+        `distributed_executor_backend="external"` joins ranks that torchrun started (see
+        runtime/launch.py). `max_logprobs` caps `logprobs` and `prompt_logprobs` (vLLM's
+        default, 20)."""
         if distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(
                 f"distributed_executor_backend={distributed_executor_backend!r} is not supported"
@@ -424,6 +425,7 @@ def build_engine_config(
     kv_cache_memory: int | None = None,
     enable_prefix_caching: bool = True,
     attention_backend: str = "auto",
+    attention_num_splits: int | None = None,
     enforce_eager: bool = False,
     compilation_config: CompilationConfig | dict | None = None,
     tensor_parallel_size: int = 1,
@@ -486,6 +488,7 @@ def build_engine_config(
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend,
+            attention_num_splits=attention_num_splits,
         ),
         scheduler_config=SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, enable_chunked_prefill

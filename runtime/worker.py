@@ -30,10 +30,14 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def select_attention_backend(
-    device: torch.device, requested: str = "auto", cache_dir: Path | None = None
+    device: torch.device,
+    requested: str = "auto",
+    cache_dir: Path | None = None,
+    num_splits: int | None = None,
 ) -> Any:
     """Triton on CUDA, the C++ kernels on CPU (torch if they cannot be built), unless the
-    config or the environment forces one."""
+    config or the environment forces one. `num_splits` forces the Triton backend's
+    split-KV decode and is refused by the others, which have none."""
     choice = os.environ.get("COMPILECORE_ATTENTION_BACKEND", requested)
     if choice not in BACKENDS:
         raise ValueError(f"unknown attention backend {choice!r}; use one of {', '.join(BACKENDS)}")
@@ -54,10 +58,18 @@ def select_attention_backend(
         )  # fmt: skip
     if choice == "cpu" and device.type != "cpu":
         raise ValueError(f"the cpu attention backend runs on CPU tensors, not {device.type}")
+    if num_splits is not None and choice != "triton":
+        raise ValueError(
+            f"attention_num_splits={num_splits} sets the Triton backend's split-KV decode; "
+            f"this engine runs the {choice} attention backend, which has none (leave it unset, "
+            "or use attention_backend='triton' on a CUDA device)"
+        )
     logger.info("attention backend: %s on %s", choice, device.type)
     if choice == "cpu":
         return CpuPagedAttentionBackend(cache_dir=cache_dir)
-    return TritonPagedAttentionBackend() if choice == "triton" else TorchPagedAttentionBackend()
+    if choice == "triton":
+        return TritonPagedAttentionBackend(num_splits=num_splits)
+    return TorchPagedAttentionBackend()
 
 
 def cpu_kernels_usable(cache_dir: Path | None = None) -> bool:
@@ -95,6 +107,7 @@ class Worker:
             engine_config.device,
             engine_config.cache_config.attention_backend,
             compile_cache_root(engine_config),
+            engine_config.cache_config.attention_num_splits,
         )
         self.runner = ModelRunner(engine_config, self.model, backend)
         self.compile_seconds = 0.0

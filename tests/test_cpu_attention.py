@@ -166,6 +166,19 @@ def test_auto_selects_cpu_backend_on_cpu():
     assert select_attention_backend(torch.device("cpu"), "torch").name == "torch"
 
 
+def test_forced_split_kv_is_refused_where_no_backend_has_it():
+    """`attention_num_splits` belongs to the Triton backend: asked of another, or below 1,
+    it is an error naming what to do, not a number ignored."""
+    from compilecore.config import CacheConfig
+    from runtime.worker import select_attention_backend
+
+    for backend in ("auto", "torch", "cpu"):
+        with pytest.raises(ValueError, match="attention_backend='triton'"):
+            select_attention_backend(torch.device("cpu"), backend, num_splits=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        CacheConfig(attention_num_splits=0)
+
+
 def test_engine_greedy_cpu_equals_torch(tiny_llama):
     prompts = [[5, 6, 7, 8, 9], [42], [100 + i for i in range(20)]]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -124,6 +124,23 @@ def test_engine_greedy_triton_equals_torch(tiny_llama):
     assert outs["triton"] == outs["torch"]
 
 
+@interpreted
+def test_engine_with_forced_split_kv_equals_torch(tiny_llama):
+    """`attention_num_splits=4` reaches the backend, and a decode over a 70-token context
+    (5 blocks of 16, so the splits are real) through the split and merge kernels gives
+    torch's greedy tokens."""
+    prompt = [3 + (i * 7) % 90 for i in range(70)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outs = {}
+    for backend, splits in (("torch", None), ("triton", 4)):
+        llm = LLM(str(tiny_llama[0]), enforce_eager=True, attention_backend=backend,
+                  attention_num_splits=splits)  # fmt: skip
+        if splits:
+            assert llm.llm_engine.runner.attn_backend.num_splits == splits
+        outs[backend] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert outs["triton"] == outs["torch"]
+
+
 def test_forcing_triton_without_a_gpu_or_interpreter_is_a_clear_error(monkeypatch):
     from runtime.worker import select_attention_backend
 
