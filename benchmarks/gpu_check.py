@@ -120,6 +120,14 @@ def greedy(llm, tokens: int = 16) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+def long_greedy(llm, tokens: int = 16) -> list[int]:
+    """Greedy tokens after LONG_PROMPT."""
+    from runtime import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return llm.generate([LONG_PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def gpu_test_files() -> list[str]:
     """The test files with GPU-marked tests: collecting the others (and importing what
     they import) would spend the device's minutes on nothing."""
@@ -225,16 +233,9 @@ def step_chunked_prefill(check: Check) -> dict:
     """A 300-token prompt prefilled in chunks of 64 with graphs on, its greedy tokens equal
     to eager's in one chunk: the staging buffers are rewritten between chunk steps that do
     not sample (issue 42 item 1's race), and decode steps after it replay graphs."""
-    from runtime import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-    def tokens(llm) -> list[int]:
-        return llm.generate([LONG_PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
-
-    want = tokens(check.llm("device eager", enforce_eager=True))
+    want = long_greedy(check.llm("device eager", enforce_eager=True))
     before = _replays(check.device)
-    got = tokens(check.llm("device chunked", max_num_batched_tokens=64))
+    got = long_greedy(check.llm("device chunked", max_num_batched_tokens=64))
     replays = _replays(check.device) - before
     if got != want:
         raise StepFailed(f"chunked prefill with graphs: {got} vs eager {want}")
@@ -249,15 +250,8 @@ def step_split_kv(check: Check) -> dict:
     default choice's."""
     if check.dry_run:  # the CPU backend has no split; tests/test_triton_attention.py
         return {"skipped": "the CPU attention backend has no split-KV (interpreter-tested)"}
-    from runtime import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-    def tokens(llm) -> list[int]:
-        return llm.generate([LONG_PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
-
-    want = tokens(check.llm("device"))
-    got = tokens(check.llm("device split 4", attention_num_splits=4))
+    want = long_greedy(check.llm("device"))
+    got = long_greedy(check.llm("device split 4", attention_num_splits=4))
     if got != want:
         raise StepFailed(f"4 KV splits: {got} vs the default's {want}")
     return {"splits": 4, "context": len(LONG_PROMPT), "tokens": len(got)}
