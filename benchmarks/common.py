@@ -9,6 +9,7 @@ import gc
 import itertools
 import json
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -229,17 +230,26 @@ def bf16_default(model: str | None) -> dict:
     return {"load_format": "safetensors"} if model is None else {}
 
 
-def compare(variants: dict[str, dict], measure: Callable[[LLM], float], **llm_kwargs) -> dict:
-    """Build an LLM per variant in turn (one process), measure it, free it."""
-    results = {}
+def compare(
+    variants: dict[str, dict], measure: Callable[[LLM], float], rounds: int = 1, **llm_kwargs
+) -> dict:
+    """Build an LLM per variant (one process, all alive), then measure them in `rounds`
+    rounds, alternating their order each round: the machine's speed moves within minutes,
+    so only ratios within one round compare. tok_s is the median over rounds."""
+    llms, results = {}, {}
     for name, kwargs in variants.items():
         start = time.perf_counter()
-        llm = LLM(**llm_kwargs, **kwargs)
-        startup = time.perf_counter() - start
-        results[name] = {"tok_s": measure(llm), "startup_s": startup}
-        print(name, results[name], flush=True)
-        del llm
-        gc.collect()
+        llms[name] = LLM(**llm_kwargs, **kwargs)
+        results[name] = {"startup_s": time.perf_counter() - start, "rounds": []}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            results[name]["rounds"].append(measure(llms[name]))
+            print(name, f"round {r}: {results[name]['rounds'][-1]:.1f} tok/s", flush=True)
+    for r in results.values():
+        r["tok_s"] = statistics.median(r["rounds"])
+    del llms
+    gc.collect()
     return results
 
 
@@ -250,6 +260,7 @@ def decode_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="variants measured alternately")
     return parser
 
 
@@ -258,6 +269,7 @@ def compare_decode(args: argparse.Namespace, variants: dict[str, dict]) -> dict:
     return compare(
         variants,
         lambda llm: decode_speed(llm, PROMPT_37, args.tokens, args.repeats),
+        rounds=args.rounds,
         model=args.model,
         dtype=args.dtype,
         max_model_len=1024,
@@ -267,11 +279,15 @@ def compare_decode(args: argparse.Namespace, variants: dict[str, dict]) -> dict:
 
 
 def print_table(results: dict, title: str, baseline: str) -> None:
-    base = results[baseline]["tok_s"]
-    print(f"\n{title} ({torch.get_num_threads()} threads)")
-    print(f"| variant | tok/s | vs {baseline} | start-up s |\n|---|---|---|---|")
+    """Median tok/s over rounds, and each variant's ratio to the baseline: the median of
+    the per-round ratios with their range."""
+    base = results[baseline]["rounds"]
+    print(f"\n{title} ({torch.get_num_threads()} threads, {len(base)} rounds)")
+    print(f"| variant | tok/s | vs {baseline} (range) | start-up s |\n|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['startup_s']:.1f} |")
+        ratios = [a / b for a, b in zip(r["rounds"], base)]
+        span = f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+        print(f"| {name} | {r['tok_s']:.1f} | {span} | {r['startup_s']:.1f} |")
 
 
 def _cpu_model() -> str | None:

@@ -16,6 +16,7 @@ AUTOTUNE = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 VARIANTS = {
     "eager": {"enforce_eager": True},
     "piecewise": {},
+    "piecewise-cpu_graphs": {"compilation_config": {"cpu_graphs": False}},
     "whole-graph": {"compilation_config": {"splitting_ops": []}},
     "piecewise+cpp_wrapper": {"compilation_config": {"inductor_options": {"cpp_wrapper": True}}},
     "piecewise-size_asserts": {"compilation_config": {"inductor_options": {"size_asserts": False}}},

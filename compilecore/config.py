@@ -7,6 +7,7 @@ field that is wrong.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,8 @@ import torch
 
 from passes.config import PassConfig
 from passes.native import cache_root  # noqa: F401 - compilecore's public name
+
+logger = logging.getLogger("compilecore")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -213,6 +216,13 @@ class CompilationConfig:
         if not self.native_kernels:
             self.passes.native_kernels = False
         self.custom_passes = resolve_custom_passes(self.custom_passes)
+        cpp_wrapper = self.inductor_options.get("cpp_wrapper", torch._inductor.config.cpp_wrapper)
+        if self.cpu_graphs and cpp_wrapper:
+            # Its kernels are called from C inside the wrapper, out of the capture's sight: a
+            # graph would replay the native ops without the code between them.
+            logger.info("cpp_wrapper: Inductor calls its kernels from C, which a CPU graph "
+                        "cannot record; CPU graphs are off")  # fmt: skip
+            self.cpu_graphs = False
         if self.mode not in ("none", "piecewise"):
             raise ValueError(
                 f"compilation_config.mode must be 'none' or 'piecewise', got {self.mode!r}"

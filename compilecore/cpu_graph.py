@@ -10,13 +10,13 @@ capture runs the forward once with
 
 - every Inductor kernel (the `kernel` entry of each generated module) swapped for a
   recorder of its C function and arguments,
-- native ops (attention, `compilecore.packed_mm`) recording their own C calls
-  (`passes.native.record_native_call`),
-- a dispatch mode that refuses any other aten op that computes (an extern GEMM, a
+- every native op (attention, `compilecore.packed_mm`, ...) recorded as the C calls it
+  declares next to its registration (`passes.native.declare_entry`), read by
+  a dispatch mode that also refuses any other op that computes (an extern GEMM, a
   fallback), and a profile hook that counts kernel calls the recorders missed,
 
 and the replay calls the recorded functions in order from C: no Python between kernels.
-An op may record a team function (`record_native_call(team=n)`): the replay opens one
+An op may declare a team function (`NativeCall(team=n)`): the replay opens one
 OpenMP team of n threads for each run of such calls and calls every function of the run on
 every thread, a barrier between calls. At batch 1 the layer ops and the attention between
 them are team functions, so the step's middle is one parallel region, not ~90.
@@ -36,6 +36,7 @@ import ctypes
 import functools
 import logging
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from passes import native
-from passes.native import is_capturing, load_library, record_native_call, refuse
+from passes.native import load_library
 
-__all__ = ["CpuGraph", "CpuGraphUnsupported", "capture", "is_capturing", "record_native_call",
-           "refuse"]  # fmt: skip
+__all__ = ["CpuGraph", "CpuGraphUnsupported", "capture", "is_capturing"]
 
 logger = logging.getLogger("compilecore")
 
@@ -189,14 +189,19 @@ def _kernel_address(path: str) -> int:
 
 
 class _KernelRecorder:
+    """Stands in for a generated module's kernel during a capture: records the calls made
+    on the capturing thread (another thread's steps pass straight through)."""
+
     def __init__(self, kernel: Any, capture: _Capture):
         self.kernel, self.capture = kernel, capture
         self.address = _kernel_address(kernel.__self__.__file__)
+        self.thread = threading.get_ident()
 
     def __call__(self, *args: Any) -> Any:
-        name = Path(self.kernel.__self__.__file__).stem[:12]
-        self.capture.record(self.address, args, f"Inductor kernel {name}")
-        self.capture.kernel_calls += 1
+        if threading.get_ident() == self.thread:
+            name = Path(self.kernel.__self__.__file__).stem[:12]
+            self.capture.record(self.address, args, f"Inductor kernel {name}")
+            self.capture.kernel_calls += 1
         return self.kernel(*args)
 
 
@@ -221,8 +226,9 @@ def _kernel_namespaces() -> list[dict[str, Any]]:
 
 
 class _RefuseCompute(TorchDispatchMode):
-    """Aten ops that only allocate or view are fine; a custom op must have recorded its
-    native calls; anything else computes outside the recording."""
+    """Aten ops that only allocate or view are fine; any other op is recorded as the C
+    calls it declares (`passes.native.declare_entry`); anything else computes outside the
+    recording."""
 
     ALLOCATE = ("empty_strided", "empty", "as_strided", "alias", "detach", "lift_fresh")
 
@@ -231,34 +237,55 @@ class _RefuseCompute(TorchDispatchMode):
         self.capture = capture
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = len(self.capture.calls)
         out = func(*args, **(kwargs or {}))
-        namespace = getattr(func, "namespace", "aten")
         name = func.__name__.split(".")[0]
-        if namespace not in ("aten", "prims"):
-            entry = native.native_entry(func._schema.name)
-            if entry is not None:  # the op's declared C call for these arguments
-                rest = func._schema.arguments[len(args) :]
-                full = (*args, *(kwargs[a.name] for a in rest if a.name in (kwargs or {})))
-                call = entry(full, out)
-                if call is None:
-                    self.capture.fail(f"{func} ran its torch reference, not its C kernel")
-                else:
-                    self.capture.record(call.address, call.args, call.what, team=call.team)
-            elif len(self.capture.calls) == before:
-                self.capture.fail(f"{func} ran without recording a native call")
+        if getattr(func, "namespace", "aten") not in ("aten", "prims"):
+            self._record_declared(func, args, kwargs or {}, out)
         elif not (getattr(func, "is_view", False) or name in self.ALLOCATE):
             self.capture.fail(f"{func} computes outside a recorded kernel")
         return out
+
+    def _record_declared(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        entry = native.native_entry(func._schema.name)
+        if entry is None:
+            return self.capture.fail(f"{func} declares no native call (passes.native)")
+        rest = func._schema.arguments[len(args) :]
+        full = (*args, *(kwargs[a.name] for a in rest if a.name in kwargs))
+        try:
+            calls = entry(full, out)
+        except native.Unrecordable as exc:
+            return self.capture.fail(str(exc))
+        if calls is None:
+            return self.capture.fail(f"{func} ran its torch reference, not its C kernel")
+        for call in (calls,) if isinstance(calls, native.NativeCall) else calls:
+            self.capture.record(call.address, call.args, call.what, call.keep, call.check,
+                                call.team)  # fmt: skip
+
+
+_ACTIVE = threading.local()  # this thread's capture in progress, if any
+# Patched module globals are seen by every thread: one capture at a time.
+_CAPTURE_LOCK = threading.Lock()
+
+
+def is_capturing() -> bool:
+    """Whether this thread is capturing a CPU graph."""
+    return getattr(_ACTIVE, "capture", None) is not None
 
 
 def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
     """Run `fn` once (its result is real) and record it; (result, graph). Raises
     CpuGraphUnsupported, naming what could not be recorded."""
-    if native.is_capturing():
+    if is_capturing():
         raise RuntimeError("a CPU graph capture is already running")
-    cap = _Capture()
-    native.set_recorder(cap)
+    with _CAPTURE_LOCK:
+        _ACTIVE.capture = _Capture()
+        try:
+            return _capture(fn, _ACTIVE.capture, cache_root)
+        finally:
+            _ACTIVE.capture = None
+
+
+def _capture(fn: Callable[[], Any], cap: _Capture, cache_root: Path) -> tuple[Any, CpuGraph]:
     patched: list[tuple[dict[str, Any], str, Any]] = []
     seen = [0]
     unlisted: list[dict[str, Any]] = []
@@ -287,7 +314,6 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
     finally:
         for namespace, name, value in patched:
             namespace[name] = value
-        native.set_recorder(None)
     _UNLISTED_NAMESPACES.extend(unlisted)
     # Something compiled during the capture (its own ops ran, its kernel went unrecorded),
     # or only unlisted modules' kernels went unrecorded: the next capture at this size

@@ -6,10 +6,12 @@ CPU, into a cache folder; later processes load it in milliseconds. Writes go to 
 temporary file renamed into place, so processes building at the same time never load half
 a file.
 
-Recording: an op that runs C code through ctypes reports each call (the function's
-address and its integer or tensor arguments) with `record_native_call`; while
-`compilecore.cpu_graph` captures a forward it installs a recorder here and replays the
-calls later without Python. Outside a capture the calls cost one global lookup.
+Declaring: an op that runs C code through ctypes declares, next to its registration
+(`declare_entry`), the call it makes for given arguments and outputs, as data
+(`NativeCall`: the function's address and its integer or tensor arguments). The op makes
+its call through the same declaration; `compilecore.cpu_graph` reads it while it records a
+forward and replays the calls later without Python. An op never knows whether it is being
+recorded.
 """
 
 from __future__ import annotations
@@ -59,78 +61,53 @@ class KernelBuildError(RuntimeError):
     pass
 
 
-_recorder: Any = None  # the capture in progress (compilecore.cpu_graph), or None
-
-
-def set_recorder(recorder: Any) -> None:
-    global _recorder
-    _recorder = recorder
-
-
-def is_capturing() -> bool:
-    return _recorder is not None
-
-
-def record_native_call(
-    address: int,
-    args: Sequence[Any],
-    what: str = "a native op",
-    keep: Sequence[Any] = (),
-    check: Callable[[], str | None] | None = None,
-    team: int = 0,
-) -> None:
-    """Called by ops that run C code, with their function's address and its integer or
-    tensor arguments, while a CPU graph is captured; a no-op otherwise. `keep`: objects
-    the graph must hold while it lives (what integer arguments point into); `check`: run
-    after each replay, returns why the replay failed or None. `team`: the function is a
-    team function for that many threads: the replay calls it on every thread of an
-    OpenMP team it opens once for a run of such calls (the function splits its work by
-    `omp_get_thread_num()` and may use orphaned barriers), with a barrier after it."""
-    if _recorder is not None:
-        _recorder.record(address, args, what, keep, check, team)
+class Unrecordable(RuntimeError):
+    """Raised by an op's declared entry for arguments whose call a recording could not
+    repeat (the message says why, e.g. an input the kernel can only read through a copy the
+    op makes per call)."""
 
 
 class NativeCall(NamedTuple):
-    """One call of a C team function: its address, its integer or tensor arguments, and the
-    team size it runs in. `eager`: its twin that opens a region of `team` threads itself
-    (the same arguments, then the team size), which is how the op runs it outside a CPU
-    graph."""
+    """One call of a C function: its address and its integer or tensor arguments. `team`:
+    0 for a plain call, else the size of the OpenMP team it runs in as a team function (it
+    splits its work by `omp_get_thread_num()` and may use orphaned barriers; a replay runs
+    a run of such calls in one team, a barrier after each). `eager`: how the op makes the
+    call itself (the same arguments, then the team size for a team function; None where the
+    op makes it another way). `keep`: objects a recording must hold while it lives (what
+    integer arguments point into); `check`: run after each replay, returns why the replay
+    failed or None."""
 
     address: int
     args: tuple
     what: str
     team: int
     eager: Any
+    keep: tuple = ()
+    check: Callable[[], str | None] | None = None
 
     def run(self) -> None:
-        """Make the call now, in a region of its own (through `eager`, whose arguments are
-        int64s: these calls are all team functions)."""
+        """Make the call now (a team function in a region of its own)."""
         ints = [a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in self.args]
-        self.eager(*ints, self.team)
+        self.eager(*ints, self.team) if self.team else self.eager(*ints)
 
 
-# "namespace::op" -> entry(args, outputs) -> NativeCall | None: the C call an op made for
-# these arguments and outputs (None: it ran its torch reference). Declared next to each
-# op's registration; a CPU graph capture reads it, so the op itself never knows whether
-# it is recorded.
-_ENTRIES: dict[str, Callable[[tuple, Any], NativeCall | None]] = {}
+# "namespace::op" -> entry(args, outputs): the C calls an op makes for these arguments and
+# outputs (a NativeCall, a sequence of them, or None where it ran its torch reference).
+# Declared next to each op's registration; a CPU graph capture reads it, so the op itself
+# never knows whether it is recorded.
+Entry = Callable[[tuple, Any], "NativeCall | Sequence[NativeCall] | None"]
+_ENTRIES: dict[str, Entry] = {}
 
 
-def declare_entry(op: str, entry: Callable[[tuple, Any], NativeCall | None]) -> None:
-    """Declare the C call op `op` ("compilecore::linear") makes, as a function of its
-    arguments and its outputs; the same function the op itself uses to make the call."""
+def declare_entry(op: str, entry: Entry) -> None:
+    """Declare the C call(s) op `op` ("compilecore::linear") makes, as a function of its
+    arguments and its outputs; the same function the op itself uses to make the call. The
+    entry raises `Unrecordable` for arguments a recording could not repeat."""
     _ENTRIES[op] = entry
 
 
-def native_entry(op: str) -> Callable[[tuple, Any], NativeCall | None] | None:
+def native_entry(op: str) -> Entry | None:
     return _ENTRIES.get(op)
-
-
-def refuse(reason: str) -> None:
-    """Called by an op that cannot be replayed from recorded calls: the capture fails
-    with this reason (a no-op outside a capture)."""
-    if _recorder is not None:
-        _recorder.fail(reason)
 
 
 HUGE_PAGE = 2 << 20
@@ -173,7 +150,7 @@ def huge_page_buffer(nbytes: int) -> tuple[Any, bool]:
 
 
 def function_address(fn: Any) -> int:
-    """The address of a ctypes function (what `record_native_call` takes)."""
+    """The address of a ctypes function (a `NativeCall`'s `address`)."""
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 

@@ -4,13 +4,16 @@ drawn by hypothesis, and through the whole engine."""
 from __future__ import annotations
 
 import ctypes
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import models.layers.attention  # noqa: F401 - registers the attention op
 from compilecore import cpu_graph
+from compilecore.forward_context import set_forward_context
 from runtime import LLM, SamplingParams
 from runtime.attention import TorchPagedAttentionBackend
 from runtime.attention.cpu_build import load_cpu_kernels
@@ -112,11 +115,18 @@ def test_team_decode_in_a_replay_equals_dense(tmp_path_factory, batch):
     still dense attention, and the same slots written."""
     case = build_case(batch)
     out = torch.full_like(case.q, float("nan"))
+    case.layer.impl = CpuPagedAttentionBackend(num_threads=2)
+    # Through the attention op, as the model calls it: the capture records the calls the
+    # op's entry declares (the backend's `native_calls`).
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context={"layer": case.layer})
+    )
 
     def step():
-        CpuPagedAttentionBackend(num_threads=2).forward(
-            case.layer, case.q, case.k, case.v, out, case.meta
-        )
+        with set_forward_context(case.meta, config):
+            torch.ops.compilecore.unified_attention_with_output(
+                case.q, case.k, case.v, out, "layer"
+            )
         return out
 
     _, graph = cpu_graph.capture(step, tmp_path_factory.getbasetemp())

@@ -14,6 +14,8 @@ import torch
 
 from compilecore import cpu_graph
 from compilecore.compile_cache import compile_cache_root
+from passes import native
+from passes.native import NativeCall
 from runtime import LLM, SamplingParams
 from runtime.huge_pages import pack_parameters
 from tests.helpers import hf_greedy
@@ -188,47 +190,77 @@ def test_capture_refuses_compute_outside_kernels(tmp_path):
     assert not cpu_graph.is_capturing()
 
 
-def test_capture_refuses_an_op_that_records_nothing(tmp_path):
+# A test op whose declared entry is whatever call a test puts in _DECLARED[index] (or the
+# refusal it names): the op itself computes nothing, so only a replay does the work.
+_DECLARED: list = []
+_TEST_LIB = torch.library.Library("cpu_graph_test", "FRAGMENT")
+_TEST_LIB.define("declared(Tensor anchor, int index) -> ()")
+_TEST_LIB.impl("declared", lambda anchor, index: None, "CPU")
+
+
+def _declared_entry(args: tuple, out: None):
+    call = _DECLARED[args[1]]
+    if isinstance(call, str):
+        raise native.Unrecordable(call)
+    return call
+
+
+native.declare_entry("cpu_graph_test::declared", _declared_entry)
+
+
+def _declare(call) -> None:
+    """Run the test op for `call` (a NativeCall, a sequence of them, or a refusal)."""
+    _DECLARED.append(call)
+    torch.ops.cpu_graph_test.declared(torch.empty(0), len(_DECLARED) - 1)
+
+
+def test_capture_refuses_an_op_that_declares_nothing(tmp_path):
     lib = torch.library.Library("cpu_graph_test", "FRAGMENT")
     lib.define("double(Tensor x) -> Tensor")
     lib.impl("double", lambda x: x * 2, "CPU")
     x = torch.ones(3)
-    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="without recording"):
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="declares no native call"):
         cpu_graph.capture(lambda: torch.ops.cpu_graph_test.double(x), tmp_path)
 
 
-def test_capture_refuses_an_explicit_refusal_and_empty_programs(tmp_path):
+def test_capture_refuses_an_unrecordable_call_and_empty_programs(tmp_path):
     with pytest.raises(cpu_graph.CpuGraphUnsupported, match="nothing was recorded"):
         cpu_graph.capture(lambda: None, tmp_path)
     with pytest.raises(cpu_graph.CpuGraphUnsupported, match="prefill"):
-        cpu_graph.capture(lambda: cpu_graph.refuse("prefill runs in Python"), tmp_path)
+        cpu_graph.capture(lambda: _declare("prefill runs in Python"), tmp_path)
+    assert not cpu_graph.is_capturing()
 
 
-def test_recorded_native_call_is_replayed(tmp_path):
-    """A native op records its C function and arguments; the replay calls it again on
+def test_declared_native_call_is_replayed(tmp_path):
+    """A native op declares its C function and arguments; the replay calls it again on
     whatever its buffers hold then."""
     import ctypes
 
     libc = ctypes.CDLL(None)
-    memcpy = ctypes.cast(libc.memcpy, ctypes.c_void_p).value
+    libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     src, dst = torch.arange(8, dtype=torch.float32), torch.zeros(8)
+    call = NativeCall(native.function_address(libc.memcpy), (dst, src, 32), "memcpy", 0,
+                      libc.memcpy)  # fmt: skip
 
     def step():
-        cpu_graph.record_native_call(memcpy, [dst, src, 32], "memcpy")
+        _declare(call)
         dst.copy_(src)  # the eager run does the same work (a copy is not a compute op here)
         return dst
 
     with pytest.raises(cpu_graph.CpuGraphUnsupported, match="copy_"):
         cpu_graph.capture(step, tmp_path)
 
-    def recorded_only():
-        cpu_graph.record_native_call(memcpy, [dst, src, 32], "memcpy")
+    def declared_only():
+        _declare(call)
         return dst
 
-    _, graph = cpu_graph.capture(recorded_only, tmp_path)
+    _, graph = cpu_graph.capture(declared_only, tmp_path)
     src += 100
     assert torch.equal(graph.replay(), src)
     assert graph.num_calls == 1
+    src += 1
+    call.run()  # the op's own way to make the call: the same function and arguments
+    assert torch.equal(dst, src)
 
 
 TEAM_SOURCE = r"""
@@ -263,11 +295,14 @@ def test_team_calls_run_in_one_team_with_a_barrier_between(tmp_path):
     sizes = torch.zeros(3, dtype=torch.int64)
 
     def step():
-        record = cpu_graph.record_native_call
-        record(function_address(lib.mark), [slots], "mark", team=2)
-        record(function_address(lib.gather), [slots, sums], "gather", team=2)
-        record(function_address(lib.team_size), [sizes[2:]], "team_size")
-        record(function_address(lib.team_size), [sizes[:2]], "team_size", team=2)
+        _declare(
+            [
+                NativeCall(function_address(lib.mark), (slots,), "mark", 2, None),
+                NativeCall(function_address(lib.gather), (slots, sums), "gather", 2, None),
+            ]
+        )
+        _declare(NativeCall(function_address(lib.team_size), (sizes[2:],), "team_size", 0, None))
+        _declare(NativeCall(function_address(lib.team_size), (sizes[:2],), "team_size", 2, None))
         return sums
 
     _, graph = cpu_graph.capture(step, tmp_path)
@@ -283,6 +318,19 @@ def test_cpu_graphs_switch_off(tiny_llama, tmp_path):
     _tokens(llm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert llm.llm_engine.runner.cpu_graphs == {}
     assert compile_cache_root(llm.engine_config) == tmp_path
+
+
+def test_cpp_wrapper_turns_cpu_graphs_off(monkeypatch):
+    """Inductor's C++ wrapper calls its kernels from C, where no capture sees them: a graph
+    would replay the native ops alone, so the combination is switched off, not attempted
+    (the capture happened to refuse it for an unrelated `detach_`, NOTES 48)."""
+    from compilecore.config import CompilationConfig
+
+    assert CompilationConfig().cpu_graphs
+    assert not CompilationConfig(inductor_options={"cpp_wrapper": True}).cpu_graphs
+    assert CompilationConfig(inductor_options={"cpp_wrapper": False}).cpu_graphs
+    monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", True)  # set process-wide
+    assert not CompilationConfig().cpu_graphs
 
 
 def test_pack_parameters_keeps_values_and_identity():

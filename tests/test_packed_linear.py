@@ -88,7 +88,7 @@ def test_packed_copy_follows_the_weight(kernel):
 
 
 def test_products_are_recorded_into_cpu_graphs(kernel, tmp_path):
-    """Inside a capture the op records its C call (ours directly, oneDNN's through
+    """A capture records the C call the op declares (ours, or oneDNN's through
     AOTInductor's shim): a replay on new input values equals the op called again, also
     outside the inference mode the engine captured it in. An input the kernel cannot
     read in place (a column stride) is refused, not copied behind the capture's back."""
@@ -107,14 +107,14 @@ def test_products_are_recorded_into_cpu_graphs(kernel, tmp_path):
         cpu_graph.capture(lambda: torch.ops.compilecore.packed_mm(xt, w), tmp_path)
 
 
-def test_a_failing_shim_call_fails_the_replay(tmp_path):
+def test_a_failing_shim_call_fails_the_replay(tmp_path, monkeypatch):
     """A replay cannot raise from C: a failing shim call is counted, and the graph's check
     turns the count into an error after the replay (the next replay is clean)."""
     if not ONEDNN_BF16 or (call := onednn_shim.shim_call()) is None:
         pytest.skip("no bf16 oneDNN or no AOTInductor shim here")
+    monkeypatch.setattr(packed_linear, "uses_own_kernel", lambda dtype: False)
     w, x = (torch.randn(40, 96) * 0.1).bfloat16(), torch.randn(12, 96).bfloat16()
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.PACK_BATCH_HINT)
-    out, graph = cpu_graph.capture(lambda: onednn_shim.recorded_linear(x, packed), tmp_path)
+    out, graph = cpu_graph.capture(lambda: torch.ops.compilecore.packed_mm(x, w), tmp_path)
     want = out.clone()
     fn, shim = call
     wrong_k = onednn_shim.Handle(torch.randn(40, 95).bfloat16())

@@ -9,6 +9,7 @@ the compiled graph carries only tensors and the layer's name.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -16,10 +17,14 @@ from torch import nn
 
 from compilecore.config import EngineConfig
 from compilecore.forward_context import get_forward_context
+from passes import native
+from passes.native import NativeCall
 
 
 class AttentionImpl(Protocol):
-    """What a runtime backend provides; bound to each layer with `Attention.bind`."""
+    """What a runtime backend provides; bound to each layer with `Attention.bind`. A backend
+    whose kernels a CPU graph can replay also has `native_calls(layer, q, k, v, output,
+    attn_metadata)`: the C calls (`passes.native.NativeCall`) its last `forward` made."""
 
     def forward(
         self,
@@ -86,6 +91,16 @@ def unified_attention_with_output(
     layer.impl.forward(layer, q, k, v, output, ctx.attn_metadata)
 
 
+def _native_calls(args: tuple, out: None) -> Sequence[NativeCall] | None:
+    """The op's declared entry: the C calls its backend made for this step (a backend
+    declares them with `native_calls`), or None where it ran Python."""
+    q, k, v, output, layer_name = args
+    ctx = get_forward_context()
+    layer = ctx.no_compile_layers[layer_name]
+    calls = getattr(layer.impl, "native_calls", None)
+    return None if calls is None else calls(layer, q, k, v, output, ctx.attn_metadata)
+
+
 def _fake_unified_attention_with_output(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor, layer_name: str
 ) -> None:
@@ -104,3 +119,4 @@ for _key in ("CPU", "CUDA"):
 torch.library.register_fake(
     "compilecore::unified_attention_with_output", _fake_unified_attention_with_output, lib=_LIB
 )
+native.declare_entry("compilecore::unified_attention_with_output", _native_calls)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from passes import native
+from passes.native import NativeCall
 
 
 def gemv_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -128,6 +129,26 @@ def own_kernel_available(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _kernel() is not None
 
 
+def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple | None:
+    """The C call `gemv_logits` makes for (x, w, argmax_only) into `out`."""
+    x, w, argmax_only = (*args, None)[:3]
+    if not (x.dtype == w.dtype and own_kernel_available(w.dtype)):
+        return None
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
+        # The op reads a copy it makes per call: a replay would read the one made at capture.
+        raise native.Unrecordable("compilecore.gemv_logits on an input with strided columns")
+    (m, k), n = x.shape, w.shape[0]
+    if not m:
+        return ()
+    lib = _kernel(native.unrolled_sizes(k)) or _kernel()
+    args = (x, x.stride(0), w, w.stride(0), out, m, n, k, torch.get_num_threads())
+    fn = lib.gemv_bf16_f32
+    if m == 1 and argmax_only is not None and lib.gemv_screen_available():
+        q, meta, kp, slack_bits = _screen(w)
+        args, fn = (*args, q, kp, meta, slack_bits, argmax_only), lib.gemv_head_bf16
+    return NativeCall(native.function_address(fn), args, "compilecore.gemv_logits", 0, fn)
+
+
 def gemv_logits(
     x: torch.Tensor, w: torch.Tensor, argmax_only: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -143,22 +164,11 @@ def gemv_logits(
             f"compilecore.gemv_logits needs bf16 x and w on a CPU with AVX512-BF16 (got "
             f"{x.dtype} and {w.dtype}); use passes.ops.gemv.gemv_logits_reduction instead"
         )
-    if x.stride(-1) != 1 or w.stride(-1) != 1:
-        # A copy inside the op is invisible to a capture: the graph would replay on it.
-        native.refuse("compilecore.gemv_logits on an input with strided columns")
-        x, w = x.contiguous(), w.contiguous()
-    (m, k), n = x.shape, w.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
-    if m:
-        lib = _kernel(native.unrolled_sizes(k)) or _kernel()
-        args: tuple = (x, x.stride(0), w, w.stride(0), y, m, n, k, torch.get_num_threads())
-        fn = lib.gemv_bf16_f32
-        if m == 1 and argmax_only is not None and lib.gemv_screen_available():
-            q, meta, kp, slack_bits = _screen(w)
-            args, fn = (*args, q, kp, meta, slack_bits, argmax_only), lib.gemv_head_bf16
-        fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
-        if native.is_capturing():  # a CPU graph replays this call on the same buffers
-            native.record_native_call(native.function_address(fn), args, "compilecore.gemv_logits")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+    if x.shape[0]:
+        _native_call((x, w, argmax_only), y).run()
     return y
 
 
@@ -174,3 +184,4 @@ _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("gemv_logits(Tensor x, Tensor w, Tensor? argmax_only=None) -> Tensor")
 _LIB.impl("gemv_logits", gemv_logits, "CPU")
 torch.library.register_fake("compilecore::gemv_logits", _fake_gemv_logits, lib=_LIB)
+native.declare_entry("compilecore::gemv_logits", _native_call)

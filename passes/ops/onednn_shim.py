@@ -2,9 +2,9 @@
 the entry point AOTInductor's generated code uses, exported by libtorch_cpu as plain C.
 
 A small C function calls it on tensor handles (heap `at::Tensor`s made once at capture)
-and copies the result's bytes into the output buffer the graph keeps. It is what
-`compilecore.packed_mm` records where oneDNN runs its products (16-bit weights on a CPU
-without AVX512-BF16, or with AMX); our own kernel records its calls directly.
+and copies the result's bytes into the output buffer the graph keeps. It is the
+call `compilecore.packed_mm` declares where oneDNN runs its products (16-bit weights on a
+CPU without AVX512-BF16, or with AMX), so a CPU graph can replay them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from passes import native
+from passes.native import NativeCall
 
 # A byte copy into the output, not `aoti_torch_copy_`: that is an in-place write to an
 # inference tensor, refused outside inference mode. shim = [linear, data_ptr, delete,
@@ -98,18 +99,18 @@ def failures() -> str | None:
     return "oneDNN's linear through the AOTInductor shim failed"
 
 
-def recorded_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor | None:
-    """`x @ w.T` on oneDNN's reordered weight through the shim, recorded into the CPU-graph
-    capture in progress; None where the shim is missing."""
-    if (call := shim_call()) is None:
+def linear_call(x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor) -> NativeCall | None:
+    """The call writing `x @ w.T` on oneDNN's reordered weight into y through the shim, or
+    None where the shim is missing. Made once here (y gets the product), so a call that
+    fails does so now rather than at a replay."""
+    if (shim_fn := shim_call()) is None:
         return None
-    fn, shim = call
-    y = torch.empty((x.shape[0], packed.shape[0]), dtype=x.dtype)
-    handles = [Handle(x), Handle(packed)]
+    fn, shim = shim_fn
+    handles = (Handle(x), Handle(packed))
     args = (shim, handles[0].address, handles[1].address, y, y.numel() * y.element_size())
-    fn(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
+    call = NativeCall(native.function_address(fn), args, "compilecore.packed_mm", 0, fn,
+                      keep=handles, check=failures)  # fmt: skip
+    call.run()
     if (failure := failures()) is not None:
         raise RuntimeError(failure)
-    native.record_native_call(native.function_address(fn), args, "compilecore.packed_mm",
-                              keep=handles, check=failures)  # fmt: skip
-    return y
+    return call

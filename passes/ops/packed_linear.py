@@ -11,10 +11,10 @@ of two kernels:
 - `packed_mm.cpp` (bf16, AVX512-BF16 without AMX, every row count): our tiles of 16 rows
   x 16 columns on a `vdpbf16ps`-friendly layout. Over the model's GEMM shapes it ran
   1.2-1.7x oneDNN's reordered product from 1 to 32 rows, 1.06x at 64-128, and tied it at
-  512 (NOTES section 27). Its calls are recorded into CPU graphs directly.
+  512 (NOTES section 27). Its call is declared to CPU graphs as it is made.
 - oneDNN on its blocked layout (`_reorder_linear_weight`) everywhere else (fp16, CPUs
   without AVX512-BF16, AMX, whose tiles beat any vector kernel): inside a CPU-graph
-  capture through AOTInductor's C shim (`onednn_shim`), whose call is recorded.
+  replay through AOTInductor's C shim (`onednn_shim`), the call the op declares.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from passes import native
+from passes.native import NativeCall
 from passes.ops import onednn_shim
 
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
@@ -145,42 +146,51 @@ def packed_weight(w: torch.Tensor) -> torch.Tensor:
     return entry[2]
 
 
-def _contiguous(x: torch.Tensor, rows_may_stride: bool) -> torch.Tensor:
-    if x.stride(1) == 1 and (rows_may_stride or x.is_contiguous()):
-        return x
-    # Inside the op a copy is invisible to the capture's checks: the graph would replay
-    # on the copy made at capture.
-    native.refuse("compilecore.packed_mm on an input its kernel cannot read in place")
-    return x.contiguous()
-
-
-def _own_kernel_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _own_kernel_call(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
+) -> NativeCall:
     lib, (m, k), n = _kernel(), x.shape, w.shape[0]
-    x = _contiguous(x, rows_may_stride=True)
-    bias = None if bias is None else _contiguous(bias[None], rows_may_stride=False)[0]
-    y = torch.empty((m, n), dtype=x.dtype)
-    if m:
-        b = 0 if bias is None else bias
-        args = (x, x.stride(0), packed_weight(w), b, y, n, m, n, k, torch.get_num_threads())
-        lib.packed_mm_bf16(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
-        if native.is_capturing():  # a CPU graph replays this call on the same buffers
-            address = native.function_address(lib.packed_mm_bf16)
-            native.record_native_call(address, args, "compilecore.packed_mm")
-    return y
+    b = 0 if bias is None else bias
+    args = (x, x.stride(0), packed_weight(w), b, y, n, m, n, k, torch.get_num_threads())
+    return NativeCall(native.function_address(lib.packed_mm_bf16), args, "compilecore.packed_mm",
+                      0, lib.packed_mm_bf16)  # fmt: skip
+
+
+def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple:
+    """The C call `packed_mm` makes: our kernel, or oneDNN's linear through AOTInductor's C
+    shim (the op itself calls oneDNN through torch; the shim runs the same product)."""
+    x, w, bias = (*args, None)[:3]
+    own = x.dtype == w.dtype and uses_own_kernel(w.dtype)
+    # The kernel reads x's rows at any stride, oneDNN only a contiguous x; copies made per
+    # call would be replayed as the one made at capture.
+    if x.stride(1) != 1 or not (own or x.is_contiguous()):
+        raise native.Unrecordable("compilecore.packed_mm on an input its kernel cannot read in "
+                                  "place")  # fmt: skip
+    if bias is not None and not bias.is_contiguous():
+        raise native.Unrecordable("compilecore.packed_mm with a strided bias")
+    if not x.shape[0]:
+        return ()
+    if own:
+        return _own_kernel_call(x, w, bias, out)
+    if bias is not None:
+        raise native.Unrecordable("compilecore.packed_mm with a bias through oneDNN (the shim "
+                                  "has none)")  # fmt: skip
+    call = onednn_shim.linear_call(x, packed_weight(w), out)
+    if call is None:
+        raise native.Unrecordable("compilecore.packed_mm through oneDNN (no AOTInductor shim)")
+    return call
 
 
 def packed_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ bias): the bias added in fp32 before the one rounding, as addmm does."""
     if x.dtype == w.dtype and uses_own_kernel(w.dtype):
-        return _own_kernel_mm(x, w, bias)
-    x = _contiguous(x, rows_may_stride=False)
-    if native.is_capturing():
-        if bias is not None:
-            native.refuse("compilecore.packed_mm with a bias through oneDNN (the shim has none)")
-        elif (recorded := onednn_shim.recorded_linear(x, packed_weight(w))) is not None:
-            return recorded
-        else:
-            native.refuse("compilecore.packed_mm through oneDNN (no AOTInductor shim to record)")
+        x = x if x.stride(1) == 1 else x.contiguous()
+        bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
+        y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype)
+        if x.shape[0]:
+            _own_kernel_call(x, w, bias, y).run()
+        return y
+    x = x.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), bias, "none", [], "")
 
 
@@ -194,3 +204,4 @@ _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("packed_mm(Tensor x, Tensor w, Tensor? bias=None) -> Tensor")
 _LIB.impl("packed_mm", packed_mm, "CPU")
 torch.library.register_fake("compilecore::packed_mm", _fake_packed_mm, lib=_LIB)
+native.declare_entry("compilecore::packed_mm", _native_call)

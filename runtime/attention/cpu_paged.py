@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from passes import native
+from passes.native import NativeCall
 from runtime.attention.cpu_build import load_cpu_kernels
 from runtime.attention.metadata import AttentionMetadata
 from runtime.attention.torch_paged import TorchPagedAttentionBackend, _plan, _StepPlan
@@ -120,41 +121,46 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                          step.threads)  # fmt: skip
         if step.prefill is not None:
             self._prefill(layer, q, bound.cache, output, step.prefill)
-        if native.is_capturing():
-            self._record(bound, step, q, k, v, output)
 
-    def _record(self, bound: _Bound, step: _Step, q, k, v, output) -> None:
-        """The calls above, for a CPU graph: the replay reads the step's lengths and
-        tables from the same metadata buffers. Recorded as team functions: the replay runs
-        them and the layer ops between them in one OpenMP team (compilecore/cpu_graph.py),
-        so decode splits over the threads at any length (no pool to wake per call)."""
+    def native_calls(self, layer, q, k, v, output, meta) -> tuple[NativeCall, ...] | None:
+        """The calls `forward` made for this step, as team functions for a CPU graph (the
+        attention op's declared entry asks for them): the replay reads the step's lengths and
+        tables from the same metadata buffers, and runs these calls and the layer ops
+        between them in one OpenMP team (compilecore/cpu_graph.py), so decode splits over
+        the threads at any length (no pool to wake per call). None where `forward` ran the
+        torch backend's Python."""
+        bound = self._bound.get(id(layer))
+        if meta is None or bound is None or q.dtype != bound.cache.dtype:
+            return None
+        step = meta.cache["cpu_paged"]
         rows = {name: _rows(t) for name, t in (("q", q), ("k", k), ("v", v))}
         if step.prefill is not None:
-            return native.refuse("CPU attention: prefill chunks run in Python")
+            raise native.Unrecordable("CPU attention: prefill chunks run in Python")
         if any(rows[n].data_ptr() != t.data_ptr() for n, t in (("q", q), ("k", k), ("v", v))):
-            return native.refuse("CPU attention: q/k/v rows are copied per call")
+            raise native.Unrecordable("CPU attention: q/k/v rows are copied per call")
         q, k, v = rows["q"], rows["k"], rows["v"]
-        address, team = native.function_address, self.num_threads
+        address, team, calls = native.function_address, self.num_threads, []
         if step.num_tokens:
-            native.record_native_call(
+            calls.append(NativeCall(
                 address(bound.team_write),
-                [k, k.stride(0), v, v.stride(0), bound.k_cache, bound.v_cache,
-                 step.keep[0], step.num_tokens, bound.row],
-                "CPU attention (KV write)", team=team,
-            )  # fmt: skip
+                (k, k.stride(0), v, v.stride(0), bound.k_cache, bound.v_cache,
+                 step.keep[0], step.num_tokens, bound.row),
+                "CPU attention (KV write)", team, None,
+            ))  # fmt: skip
         if step.num_decodes:
             # Split-KV parts' softmax states, until their merge: the layers run one after
             # another, so the step's layers share one buffer.
             size = self.lib.decode_team_states(step.num_decodes, *bound.shape[:3])
             if step.states is None or step.states.numel() < size:
                 step.states = torch.empty(size)
-            native.record_native_call(
+            calls.append(NativeCall(
                 address(bound.team_decode),
-                [q, q.stride(0), bound.k_cache, bound.v_cache, step.keep[1],
+                (q, q.stride(0), bound.k_cache, bound.v_cache, step.keep[1],
                  step.block_table_stride, step.keep[2], output, output.stride(0),
-                 step.num_decodes, *bound.shape[:4], bound.scale, step.states],
-                "CPU attention (decode)", team=team,
-            )  # fmt: skip
+                 step.num_decodes, *bound.shape[:4], bound.scale, step.states),
+                "CPU attention (decode)", team, None,
+            ))  # fmt: skip
+        return tuple(calls)
 
     def _step(self, meta: AttentionMetadata, layer, kv_cache: torch.Tensor) -> _Step:
         """What every layer of a step passes the kernels (worked out on the first layer)."""
