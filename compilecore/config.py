@@ -216,8 +216,7 @@ class CompilationConfig:
         if not self.native_kernels:
             self.passes.native_kernels = False
         self.custom_passes = resolve_custom_passes(self.custom_passes)
-        cpp_wrapper = self.inductor_options.get("cpp_wrapper", torch._inductor.config.cpp_wrapper)
-        if self.cpu_graphs and cpp_wrapper:
+        if self.cpu_graphs and self._cpp_wrapper():
             # Its kernels are called from C inside the wrapper, out of the capture's sight: a
             # graph would replay the native ops without the code between them.
             logger.info("cpp_wrapper: Inductor calls its kernels from C, which a CPU graph "
@@ -231,6 +230,13 @@ class CompilationConfig:
             for size in getattr(self, name) or []:
                 if size < 1:
                     raise ValueError(f"compilation_config.{name} must be >= 1, got {size}")
+
+    def _cpp_wrapper(self) -> bool:
+        if "cpp_wrapper" in self.inductor_options:
+            return bool(self.inductor_options["cpp_wrapper"])
+        import torch._inductor.config as inductor_config
+
+        return bool(inductor_config.cpp_wrapper)
 
     @classmethod
     def from_any(cls, value: CompilationConfig | dict | None) -> CompilationConfig:

@@ -16,6 +16,8 @@ capture runs the forward once with
   fallback), and a profile hook that counts kernel calls the recorders missed,
 
 and the replay calls the recorded functions in order from C: no Python between kernels.
+(Inductor's `cpp_wrapper` calls its kernels from C, out of sight: the config switches CPU
+graphs off with it; its per-piece C++ ran no faster than the Python wrapper, NOTES 48.)
 An op may declare a team function (`NativeCall(team=n)`): the replay opens one
 OpenMP team of n threads for each run of such calls and calls every function of the run on
 every thread, a barrier between calls. At batch 1 the layer ops and the attention between

@@ -320,7 +320,7 @@ def test_cpu_graphs_switch_off(tiny_llama, tmp_path):
     assert compile_cache_root(llm.engine_config) == tmp_path
 
 
-def test_cpp_wrapper_turns_cpu_graphs_off(monkeypatch):
+def test_cpp_wrapper_turns_cpu_graphs_off():
     """Inductor's C++ wrapper calls its kernels from C, where no capture sees them: a graph
     would replay the native ops alone, so the combination is switched off, not attempted
     (the capture happened to refuse it for an unrelated `detach_`, NOTES 48)."""
@@ -329,8 +329,9 @@ def test_cpp_wrapper_turns_cpu_graphs_off(monkeypatch):
     assert CompilationConfig().cpu_graphs
     assert not CompilationConfig(inductor_options={"cpp_wrapper": True}).cpu_graphs
     assert CompilationConfig(inductor_options={"cpp_wrapper": False}).cpu_graphs
-    monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", True)  # set process-wide
-    assert not CompilationConfig().cpu_graphs
+    with torch._inductor.config.patch(cpp_wrapper=True):  # set process-wide
+        assert not CompilationConfig().cpu_graphs
+    assert CompilationConfig().cpu_graphs
 
 
 def test_pack_parameters_keeps_values_and_identity():
@@ -548,11 +549,14 @@ def test_two_engines_stepping_on_two_threads_each_get_their_solo_results(compile
         logprobs = [{t: lp.logprob for t, lp in d.items()} for d in out.logprobs or []]
         return out.token_ids, logprobs
 
-    # Alone first: every graph is recorded before the threads start (the recorder that a
-    # capture installs is still one per process).
     alone = {"greedy": run(compiled, GREEDY), "sampled": run(other, sampled)}
     assert compiled.llm_engine.runner.cpu_graphs.get(1) is not None
     assert other.llm_engine.runner.cpu_graphs.get(1) is not None
+    # Recorded again on the threads, both at once: one capture waits for the other, and
+    # the other engine's steps (prefills through the forward context, replays) go on
+    # outside it.
+    compiled.llm_engine.runner.cpu_graphs.clear()
+    other.llm_engine.runner.cpu_graphs.clear()
     start, together = threading.Barrier(2), {}
 
     def loop(name: str, llm: LLM, params: SamplingParams) -> None:
@@ -569,3 +573,5 @@ def test_two_engines_stepping_on_two_threads_each_get_their_solo_results(compile
         t.join()
     for name in alone:
         assert all(got == alone[name] for got in together[name]), name
+    assert compiled.llm_engine.runner.cpu_graphs.get(1) is not None
+    assert other.llm_engine.runner.cpu_graphs.get(1) is not None
