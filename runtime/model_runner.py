@@ -156,13 +156,16 @@ class ModelRunner:
         self.seq_lens = torch.zeros(max_seqs, dtype=i32, device=dev)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=dev)
         self.block_table = torch.zeros((max_seqs, max_blocks), dtype=i32, device=dev)
+        # The rows whose logits are computed (vLLM's logits_indices): staged like the rest,
+        # so a GPU step gathers them without a pageable, synchronizing copy.
+        self.logits_indices = torch.zeros(max_tokens, dtype=torch.long, device=dev)
         self.kv_caches: list[torch.Tensor] = []
         # numpy views of the same memory: filling them costs ~1 us, a torch.tensor + copy_
         # ~10 us, and a decode step fills six.
         # On a GPU the same views are of pinned host buffers, copied with non_blocking=True:
         # the host does not wait for the copies (pageable memory would make it).
         names = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping",
-                 "block_table")  # fmt: skip
+                 "block_table", "logits_indices")  # fmt: skip
         if self.device.type == "cpu":
             self.staging = None
             self.host_views = {name: getattr(self, name).numpy() for name in names}
@@ -264,9 +267,12 @@ class ModelRunner:
         views["slot_mapping"][:n] = plan.slots
         for i, t in enumerate(plan.block_tables):
             views["block_table"][i, : len(t)] = t
+        r = len(plan.logits_rows)
+        views["logits_indices"][:r] = plan.logits_rows
         if self.staging is not None:
             rows = {"input_ids": padded, "positions": padded, "query_start_loc": b + 1,
-                    "seq_lens": b, "slot_mapping": n, "block_table": b}  # fmt: skip
+                    "seq_lens": b, "slot_mapping": n, "block_table": b,
+                    "logits_indices": r}  # fmt: skip
             for name, k in rows.items():
                 getattr(self, name)[:k].copy_(self.staging[name][:k], non_blocking=True)
             self._staged.record()
@@ -317,8 +323,7 @@ class ModelRunner:
             return self._logits_from_last_stage(plan) if world_rank() == 0 else None
         if not plan.logits_rows:
             return None
-        rows = torch.tensor(plan.logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(out[rows])
+        logits = self.model.compute_logits(out[self.logits_indices[: len(plan.logits_rows)]])
         if world_rank() != 0 and get_tp_group().is_first_rank and pp.world_size > 1:
             pp.send_tensors({"logits": logits}, dst=0)
         return logits if world_rank() == 0 else None
