@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from compilecore.compile_cache import file_digest
-from passes.ops import gemv, packed_linear
+from passes.ops import derived
 
 logger = logging.getLogger("compilecore")
 
@@ -215,8 +215,7 @@ def mark_weights_changed() -> None:
     """Weights were written where no version counter sees it (through `.data`, a reload):
     graphs and everything derived from the weights are made again before their next use."""
     _MARKS[0] += 1
-    packed_linear.weights_written()
-    gemv.invalidate_screens()
+    derived.weights_written()
 
 
 def note_weights_seen_changed() -> None:

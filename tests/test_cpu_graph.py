@@ -102,7 +102,7 @@ def test_plain_greedy_reads_the_screened_head_and_keeps_every_token(compiled):
     with logprobs gets every logit. Their tokens are the same, replayed and piece by
     piece, and after the weights are reloaded in place (the screen is made again)."""
     from models.loader import iterate_weights
-    from passes.ops import gemv
+    from passes.ops import derived, gemv
 
     full = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
     runner = compiled.llm_engine.runner
@@ -114,7 +114,7 @@ def test_plain_greedy_reads_the_screened_head_and_keeps_every_token(compiled):
         assert _tokens(compiled) == _tokens(compiled, full)
         runner.cpu_graphs[1] = saved
     if gemv.screen_available():
-        assert (head.data_ptr(), tuple(head.shape)) in gemv._SCREENS
+        assert derived.current(head, "head_screen") is not None
     files = sorted(Path(compiled.engine_config.model_config.model).glob("*.safetensors"))
     try:
         runner.model.load_weights((n, t.flip(0)) for n, t in iterate_weights(files))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from compilecore import cpu_graph, testing
 from passes import native
-from passes.ops import gemv
+from passes.ops import derived, gemv
 
 pytestmark = pytest.mark.skipif(
     not gemv.own_kernel_available(torch.bfloat16), reason="no AVX512-BF16 here"
@@ -126,7 +126,6 @@ def test_screened_head_keeps_the_full_products_argmax(n, k, spread, ties, seed, 
         w[(best + 1) % n] = w[best]
         w[(best + 1) % n, 0] = w[best, 0] + torch.tensor(0.001).bfloat16()
     full = torch.ops.compilecore.gemv_logits(x, w)
-    gemv.invalidate_screens()  # w was written in place
     screened = _screened(x, w)
     kept = screened > -torch.inf
     assert int(screened.argmax()) == int(full.argmax())
@@ -183,7 +182,11 @@ def test_screen_bytes_are_the_int8_copy_and_its_row_data():
     assert gemv.screen_bytes(w) is None
     _screened(torch.randn(1, 100).bfloat16(), w)
     assert gemv.screen_bytes(w) == 300 * 128 + 300 * 4 * 4
-    gemv.invalidate_screens()
+    derived.weights_written()  # as after a write through .data: made again at next use
+    assert gemv.screen_bytes(w) is None
+    _screened(torch.randn(1, 100).bfloat16(), w)
+    assert gemv.screen_bytes(w) is not None
+    w.mul_(2)  # a write through torch moves the version counter
     assert gemv.screen_bytes(w) is None
 
 
@@ -203,11 +206,11 @@ def test_prefetching_builds_compute_the_same_bits(monkeypatch, screened):
         for ahead in (0, 4096):
             monkeypatch.setattr(native, "weight_prefetch_bytes", lambda ahead=ahead: ahead)
             gemv._kernel.cache_clear()
-            gemv.invalidate_screens()
+            derived.forget("head_screen")
             logits.append(_screened(x, w) if screened else torch.ops.compilecore.gemv_logits(x, w))
     finally:
         monkeypatch.undo()
         gemv._kernel.cache_clear()
-        gemv.invalidate_screens()
+        derived.forget("head_screen")
     assert torch.equal(logits[0], logits[1])
     assert int(logits[1].argmax()) == int(_exact(x, w).argmax())

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from compilecore import cpu_graph, testing
-from passes.ops import onednn_shim, packed_linear
+from passes.ops import derived, onednn_shim, packed_linear
 from passes.packed_linear import PackedLinearPass
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="no 16-bit GEMMs here")
@@ -41,9 +41,9 @@ def kernel(request, monkeypatch):
         if not ONEDNN_BF16:
             pytest.skip("no bf16 oneDNN here")
         monkeypatch.setattr(packed_linear, "uses_own_kernel", lambda dtype: False)
-    packed_linear._PACKED.clear()  # copies prepared for the other kernel
+    derived.forget("packed_mm")  # copies prepared for the other kernel
     yield request.param
-    packed_linear._PACKED.clear()
+    derived.forget("packed_mm")
 
 
 @testing.settings(max_examples=20)
@@ -82,9 +82,9 @@ def test_packed_copy_follows_the_weight(kernel):
     _close(torch.ops.compilecore.packed_mm(x, w), x, w)
     assert not torch.equal(first, torch.ops.compilecore.packed_mm(x, w))
     ident = id(w)
-    assert ident in packed_linear._PACKED
+    assert derived.current(w, "packed_mm") is not None
     del w
-    assert ident not in packed_linear._PACKED  # the copy goes with its weight
+    assert ident not in derived._COPIES  # the copy goes with its weight
 
 
 def test_products_are_recorded_into_cpu_graphs(kernel, tmp_path):

@@ -13,6 +13,7 @@ import torch
 
 from passes import native
 from passes.native import NativeCall
+from passes.ops import derived
 
 
 def gemv_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -49,12 +50,6 @@ def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
 
 
 # -- the screened head: greedy steps read an int8 copy of the LM head ----------------------
-# (address, shape) -> (q, meta, Kp, slack bits, indices of sampled rows, those rows of w
-# when it was made, w's version counter then)
-_SCREENS: dict[tuple[int, tuple[int, ...]], tuple] = {}
-_SAMPLED_ROWS = 8
-
-
 def argmax_only_flag() -> tuple[torch.Tensor, object]:
     """A flag for `gemv_logits`' `argmax_only` (int64 [1], 0 or 1) and a numpy view that
     sets it without a torch call. Whoever builds the step owns one and sets it per step; a
@@ -63,58 +58,45 @@ def argmax_only_flag() -> tuple[torch.Tensor, object]:
     return flag, flag.numpy()
 
 
-def invalidate_screens() -> None:
-    """Weights were written: the int8 copies are made again from them on next use."""
-    _SCREENS.clear()
-
-
 def screen_bytes(w: torch.Tensor) -> int | None:
     """Bytes a screened head call reads for w in place of w's own: its int8 copy and the
     per-row data (the few rows computed exactly aside); None while w has no screen."""
-    entry = _SCREENS.get((w.data_ptr(), tuple(w.shape)))
-    if entry is None:
+    screen = derived.current(w, "head_screen")
+    if screen is None:
         return None
-    q, meta = entry[0], entry[1]
+    q, meta = screen[0], screen[1]
     return q.numel() * q.element_size() + meta.numel() * meta.element_size()
 
 
 def _screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """w's int8 screen, made once (and again when w changes: passes/ops/derived.py)."""
+    return derived.derived(w, "head_screen", _make_screen)
+
+
+def _make_screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The int8 copy of w ([N, K] bf16): rows padded to Kp (a multiple of 64) in huge
     pages, per row (scale, |w - q scale|, |q scale|, sum of q) as fp32, Kp, and the slack
     per unit of |x| that covers fp32 rounding in both products (a float's bits)."""
-    key = (w.data_ptr(), tuple(w.shape))
-    entry = _SCREENS.get(key)
-    # A freed head's address can come back as another model's head of the same shape
-    # (LLMs made one after another in a process): a few of its rows tell them apart.
-    # A write through torch moves the version counter; one through `.data` is announced
-    # with mark_weights_changed, which clears every screen.
-    version = native.version_counter(w)
-    if entry is not None and entry[6] == version and torch.equal(entry[5], w[entry[4]]):
-        return entry[:4]
     (n, k), kp = w.shape, -(-w.shape[1] // 64) * 64
-    rows = torch.linspace(0, n - 1, min(n, _SAMPLED_ROWS)).long()
     q, _ = native.huge_page_buffer(n * kp)
     q = q.view(torch.int8).view(n, kp)
     meta = torch.empty(n, 4)
-    with torch.no_grad():
-        for start in range(0, n, 4096):  # fp32 temporaries a few MB at a time
-            chunk = w[start : start + 4096].float()
-            scale = chunk.abs().amax(1).clamp_min(1e-30) / 127
-            qr = (chunk / scale[:, None]).round_().clamp_(-127, 127)
-            q[start : start + 4096, :k] = qr.to(torch.int8)
-            q[start : start + 4096, k:] = 0
-            approx = qr * scale[:, None]
-            m = meta[start : start + 4096]
-            m[:, 0], m[:, 1] = scale, (chunk - approx).norm(dim=1)
-            m[:, 2], m[:, 3] = approx.norm(dim=1), qr.sum(1)
-            m[:, 1:3] *= 1 + 1e-5  # the norms' own rounding, upward
-        # fp32 error of a K-term dot product is at most ~K * 2**-24 * |x| |w_row|; both
-        # loops err, so twice that, and twice again for margin.
-        slack = 4 * k * 2**-24 * float(w.float().norm(dim=1).max())
+    for start in range(0, n, 4096):  # fp32 temporaries a few MB at a time
+        chunk = w[start : start + 4096].float()
+        scale = chunk.abs().amax(1).clamp_min(1e-30) / 127
+        qr = (chunk / scale[:, None]).round_().clamp_(-127, 127)
+        q[start : start + 4096, :k] = qr.to(torch.int8)
+        q[start : start + 4096, k:] = 0
+        approx = qr * scale[:, None]
+        m = meta[start : start + 4096]
+        m[:, 0], m[:, 1] = scale, (chunk - approx).norm(dim=1)
+        m[:, 2], m[:, 3] = approx.norm(dim=1), qr.sum(1)
+        m[:, 1:3] *= 1 + 1e-5  # the norms' own rounding, upward
+    # fp32 error of a K-term dot product is at most ~K * 2**-24 * |x| |w_row|; both
+    # loops err, so twice that, and twice again for margin.
+    slack = 4 * k * 2**-24 * float(w.float().norm(dim=1).max())
     slack_bits = int(torch.tensor(slack, dtype=torch.float32).view(torch.int32))
-    entry = (q, meta, kp, slack_bits & 0xFFFFFFFF, rows, w[rows].clone(), version)
-    _SCREENS[key] = entry
-    return entry[:4]
+    return q, meta, kp, slack_bits & 0xFFFFFFFF
 
 
 def screen_available() -> bool:

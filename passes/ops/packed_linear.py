@@ -3,10 +3,8 @@ weight packed once for the kernel that runs it.
 
 `torch.mm` on a bf16 CPU tensor reorders the weight into oneDNN's layout on every call:
 at the batch sizes of decode (2-64 rows) that reorder costs more than the product. So the
-weight is prepared once and kept, in a table keyed by the weight tensor itself (made again
-when the weight's storage or version changes, or after `weights_written`: a copy through
-`.data`, as weight loaders write, moves no version count; freed with the weight), for one
-of two kernels:
+weight is prepared once and kept as the weight's derived copy (`passes/ops/derived.py`:
+made again when the weight changes, freed with it), for one of two kernels:
 
 - `packed_mm.cpp` (bf16, AVX512-BF16 without AMX, every row count): our tiles of 16 rows
   x 16 columns on a `vdpbf16ps`-friendly layout. Over the model's GEMM shapes it ran
@@ -22,27 +20,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-import weakref
 from pathlib import Path
 
 import torch
 
 from passes import native
 from passes.native import NativeCall
-from passes.ops import onednn_shim
+from passes.ops import derived, onednn_shim
 
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
 # from 2 to 2048 rows (section 23), so one copy serves every batch.
 PACK_BATCH_HINT = 2048
-# id(weight) -> (weak reference to it, (data_ptr, version, writes), its prepared copy)
-_PACKED: dict[int, tuple] = {}
-_WRITES = [0]
-
-
-def weights_written() -> None:
-    """Weights were written in place in a way their version counts do not see (through
-    `.data`): every packed copy is made again at its next use."""
-    _WRITES[0] += 1
 
 
 class _HugePageArena:
@@ -132,18 +120,9 @@ def _prepare(w: torch.Tensor) -> torch.Tensor:
 
 
 def packed_weight(w: torch.Tensor) -> torch.Tensor:
-    """The prepared copy of `w` ([N, K]) for whichever kernel runs it."""
-    # A plain dict keyed by id (checked against a weak reference) is ~4x cheaper to look
-    # up than a WeakIdKeyDictionary, and a batched step looks up 121 weights.
-    ident = id(w)
-    entry = _PACKED.get(ident)
-    key = (w.data_ptr(), native.version_counter(w), _WRITES[0])
-    if entry is None or entry[0]() is not w or entry[1] != key:
-        with torch.no_grad():
-            packed = _prepare(w)
-        entry = (weakref.ref(w, lambda _, ident=ident: _PACKED.pop(ident, None)), key, packed)
-        _PACKED[ident] = entry
-    return entry[2]
+    """The prepared copy of `w` ([N, K]) for whichever kernel runs it (made once, made
+    again when w changes: passes/ops/derived.py)."""
+    return derived.derived(w, "packed_mm", _prepare)
 
 
 def _own_kernel_call(
