@@ -218,6 +218,15 @@ inline void row_product_int8(const QuantRow* rows, int64_t K, const void* wrow, 
 // perplexity on the shipped model; this path costs nothing and runs at the same speed).
 // What one row of x becomes: its values reordered per pair of runs A, B as [A 0-15, B 0-15,
 // A 16-31, B 16-31] (the order two runs' low, then high, nibbles widen to), and run sums.
+// Each thread streams its rows of blocks front to back; a prefetch 4 KB ahead keeps the
+// stream ahead of the loads. Measured on Zen 4 (2 threads, 1.7B-like products in huge
+// pages, bit-identical outputs, NOTES 48): q4 1.24-1.38x, q8 1.06-1.07x the bytes a second
+// of no prefetch (512 B-8 KB tried; 4 KB best), where the bf16 GEMVs read slower with it
+// (`weight_prefetch_bytes`: none on AMD). Not measured on Intel, where those GEMVs gain.
+inline void prefetch_weights(const void* at) {
+  _mm_prefetch(static_cast<const char*>(at) + 4096, _MM_HINT_T0);
+}
+
 struct Bf16Row {
   const bf16* x;
   const float* sum;
@@ -258,6 +267,7 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
       mins[m] = _mm512_fmadd_ps(m_eff, _mm512_maskz_loadu_ps(live, rows[m].sum + r0), mins[m]);
     for (int64_t p = 0; p < n; p += 2) {  // a pair of runs: lanes 0-7 and 8-15
       const int64_t k = (r0 + p) * 32;
+      prefetch_weights(w + k / 2);
       const __m512i bytes = _mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
       // (low & bytes) | exponent in one ternary-logic op (truth table 0xea).
@@ -301,6 +311,7 @@ inline void row_product_q8_bf16(const bf16* const* xs, const float* const* sums,
       offs[m] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(live, sums[m] + g0), offs[m]);
     for (int64_t r = 0; r < n * G / 32; ++r) {
       const int64_t k = g0 * G + r * 32;
+      prefetch_weights(w + k);
       const __m512i u = _mm512_xor_si512(_mm512_cvtepu8_epi16(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k))), flip);
       const __m512i l = _mm512_ternarylogic_epi32(low, u, exponent, 0xea);
