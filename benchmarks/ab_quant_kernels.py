@@ -1,0 +1,78 @@
+"""Same-process A/B of two builds of `passes/ops/quant_kernels.cpp`: the working tree's
+against a git revision's, each running its own engine on the same GGUF file, batch-1
+greedy decode measured in alternating rounds (the machine's speed moves within minutes:
+only ratios within a round compare). Each engine records its CPU graph with its own
+build, so the replays that are timed call only that build's functions.
+
+    python benchmarks/ab_quant_kernels.py FILE.gguf --base HEAD~1 --rounds 6 --tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import decode_once, machine  # noqa: E402
+
+from passes import native  # noqa: E402
+from passes.ops import quantized  # noqa: E402
+from runtime import LLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = "passes/ops/quant_kernels.cpp"
+
+
+def build(text: str, name: str):
+    """The kernel library built from `text` (the common header pasted in), as `_kernel`
+    returns it."""
+    text = text.replace(f'#include "{native.COMMON_HEADER.name}"',
+                        native.COMMON_HEADER.read_text(), 1)  # fmt: skip
+    flags = native.FLAGS + [f"-DCC_PREFETCH={native.weight_prefetch_bytes()}"]
+    lib = native.load_library(text, name, native.cache_root() / "ab", flags)
+    quantized._kernel.cache_clear()
+    real = quantized._kernel()  # the working tree's, with its argument types set
+    for fn in ("q4_linear_team", "q4_linear_region", "q8_linear_team", "q8_linear_region",
+               "dequantize_q4_region", "dequantize_q8_region"):  # fmt: skip
+        getattr(lib, fn).argtypes = getattr(real, fn).argtypes
+        getattr(lib, fn).restype = getattr(real, fn).restype
+    return lib
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("file")
+    parser.add_argument("--base", default="HEAD~1", help="git revision of the other build")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=48)
+    args = parser.parse_args()
+    base = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+    builds = {"base": build(base, "quant_ab_base"),
+              "tree": build((ROOT / SOURCE).read_text(), "quant_ab_tree")}  # fmt: skip
+    engines = {}
+    for name, lib in builds.items():
+        quantized._kernel = lambda lib=lib: lib  # what this engine's ops (and graph) call
+        engines[name] = LLM(args.file, max_model_len=512)
+        decode_once(engines[name], [1, 2, 3, 4], 8)  # compiles and records its graph
+    speeds: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(args.rounds):
+        for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+            prompt = [5 + r, 17, 42, 99, 7 + len(name)]  # fresh each round
+            quantized._kernel = lambda lib=builds[name]: lib  # an eager prefill's build
+            speeds[name].append(decode_once(engines[name], prompt, args.tokens))
+        print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f}" for n, v in speeds.items()))
+    ratios = [t / b for t, b in zip(speeds["tree"], speeds["base"])]
+    tree, base = (statistics.median(speeds[n]) for n in ("tree", "base"))
+    print(
+        f"{Path(args.file).name}, {machine()['cpu_model']}: tree / {args.base} = "
+        f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}), tok/s "
+        f"tree {tree:.2f}, base {base:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
