@@ -177,3 +177,28 @@ def test_dense_model_is_deterministic_across_batch_layouts(tmp_path):
     together = packed_logits(model, cfg, [a, b])
     alone = torch.cat([packed_logits(model, cfg, [a]), packed_logits(model, cfg, [b])])
     assert torch.allclose(together, alone, atol=1e-5)
+
+
+def test_forward_context_is_per_thread():
+    """Two engines stepping on two threads each read their own step's metadata: a context
+    set on one thread is not seen, nor replaced, by another's."""
+    import threading
+    from types import SimpleNamespace
+
+    from compilecore.forward_context import get_forward_context, set_forward_context
+
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={}))
+    both_set, seen = threading.Barrier(2), {}
+
+    def step(name: str) -> None:
+        with set_forward_context(name, config):
+            both_set.wait()  # the other thread's context is set now too
+            seen[name] = get_forward_context().attn_metadata
+            both_set.wait()
+
+    threads = [threading.Thread(target=step, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"a": "a", "b": "b"}
