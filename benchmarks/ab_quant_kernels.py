@@ -18,7 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import decode_once, machine  # noqa: E402
 
-from passes import native  # noqa: E402
+from passes import (
+    native,  # noqa: E402
+    prefetch,
+)
 from passes.ops import quantized  # noqa: E402
 from runtime import LLM  # noqa: E402
 
@@ -31,7 +34,7 @@ def build(text: str, name: str):
     returns it."""
     text = text.replace(f'#include "{native.COMMON_HEADER.name}"',
                         native.COMMON_HEADER.read_text(), 1)  # fmt: skip
-    flags = native.FLAGS + [f"-DCC_PREFETCH={native.weight_prefetch_bytes()}"]
+    flags = native.FLAGS + [f"-DCC_PREFETCH={prefetch.weight_prefetch_bytes()}"]
     lib = native.load_library(text, name, native.cache_root() / "ab", flags)
     quantized._kernel.cache_clear()
     real = quantized._kernel()  # the working tree's, with its argument types set

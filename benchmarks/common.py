@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from passes import native
-from passes.native import huge_page_buffer
+from passes import native, prefetch
+from passes.huge_pages import huge_page_buffer
 from runtime import LLM, SamplingParams
 
 PROMPT_37 = list(range(100, 137))  # a 37-token prompt
@@ -93,7 +93,7 @@ def sums(buffer: torch.Tensor) -> list[Callable[[], object]]:
     lib = _memory_read() if buffer.device.type == "cpu" else None
     if lib is not None and buffer.dtype == torch.float32 and buffer.is_contiguous():
         args = (buffer.data_ptr(), buffer.numel(), torch.get_num_threads())
-        ahead = (0, native.WEIGHT_PREFETCH)
+        ahead = (0, prefetch.WEIGHT_PREFETCH)
         reads += [functools.partial(lib.memory_read_sum, *args, a) for a in ahead]
     return reads
 
@@ -307,7 +307,7 @@ def machine() -> dict:
         "cpu_model": _cpu_model(),
         "amx": bool(amx()) if amx is not None else None,
         # Our batch-1 loops prefetch their weights on Intel only (NOTES section 42).
-        "weight_prefetch_bytes": native.weight_prefetch_bytes(),
+        "weight_prefetch_bytes": prefetch.weight_prefetch_bytes(),
         "cpus": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

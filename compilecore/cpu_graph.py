@@ -11,7 +11,7 @@ capture runs the forward once with
 - every Inductor kernel (the `kernel` entry of each generated module) swapped for a
   recorder of its C function and arguments,
 - every native op (attention, `compilecore.packed_mm`, ...) recorded as the C calls it
-  declares next to its registration (`passes.native.declare_entry`), read by
+  declares next to its registration (`passes.native_calls.declare_entry`), read by
   a dispatch mode that also refuses any other op that computes (an extern GEMM, a
   fallback), and a profile hook that counts kernel calls the recorders missed,
 
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from passes import native
+from passes import native_calls
 from passes.native import load_library
 
 __all__ = ["CpuGraph", "CpuGraphUnsupported", "capture", "is_capturing"]
@@ -229,7 +229,7 @@ def _kernel_namespaces() -> list[dict[str, Any]]:
 
 class _RefuseCompute(TorchDispatchMode):
     """Aten ops that only allocate or view are fine; any other op is recorded as the C
-    calls it declares (`passes.native.declare_entry`); anything else computes outside the
+    calls it declares (`passes.native_calls.declare_entry`); anything else computes outside the
     recording."""
 
     ALLOCATE = ("empty_strided", "empty", "as_strided", "alias", "detach", "lift_fresh")
@@ -248,18 +248,18 @@ class _RefuseCompute(TorchDispatchMode):
         return out
 
     def _record_declared(self, func, args: tuple, kwargs: dict, out: Any) -> None:
-        entry = native.native_entry(func._schema.name)
+        entry = native_calls.native_entry(func._schema.name)
         if entry is None:
             return self.capture.fail(f"{func} declares no native call (passes.native)")
         rest = func._schema.arguments[len(args) :]
         full = (*args, *(kwargs[a.name] for a in rest if a.name in kwargs))
         try:
             calls = entry(full, out)
-        except native.Unrecordable as exc:
+        except native_calls.Unrecordable as exc:
             return self.capture.fail(str(exc))
         if calls is None:
             return self.capture.fail(f"{func} ran its torch reference, not its C kernel")
-        for call in (calls,) if isinstance(calls, native.NativeCall) else calls:
+        for call in (calls,) if isinstance(calls, native_calls.NativeCall) else calls:
             self.capture.record(call.address, call.args, call.what, call.keep, call.check,
                                 call.team)  # fmt: skip
 

@@ -1,17 +1,10 @@
-"""Native code without torch headers: build it, and report its calls to a recorder.
+"""Native code without torch headers: build it (compile cache, flags, CPU keys).
 
 Building: g++ compiles a small C++ source (the packed GEMM here, the CPU attention
 kernels, the CPU-graph executor) in about a second, once per source, flags, compiler and
 CPU, into a cache folder; later processes load it in milliseconds. Writes go to a
 temporary file renamed into place, so processes building at the same time never load half
 a file.
-
-Declaring: an op that runs C code through ctypes declares, next to its registration
-(`declare_entry`), the call it makes for given arguments and outputs, as data
-(`NativeCall`: the function's address and its integer or tensor arguments). The op makes
-its call through the same declaration; `compilecore.cpu_graph` reads it while it records a
-forward and replays the calls later without Python. An op never knows whether it is being
-recorded.
 """
 
 from __future__ import annotations
@@ -26,31 +19,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
 
-if TYPE_CHECKING:
-    import torch
+from passes import prefetch
 
 logger = logging.getLogger("compilecore")
-
-
-WEIGHT_PREFETCH = 4096  # bytes ahead (NOTES section 42: 3-8 KB read alike on the Xeon)
-
-
-@functools.cache
-def weight_prefetch_bytes() -> int:
-    """How far ahead the batch-1 products' loops prefetch their weights (`CC_PREFETCH`):
-    `WEIGHT_PREFETCH` on Intel CPUs, where those loops read at ~0.8x a plain sum without it
-    and at the sum's speed with it; none elsewhere (on AMD's Zen 4 the same prefetch read
-    slower). benchmarks/NOTES.md, sections 32 and 42."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            head = f.read(4096)
-    except OSError:
-        return 0
-    return WEIGHT_PREFETCH if "GenuineIntel" in head else 0
 
 
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
@@ -59,99 +33,6 @@ FLAGS += ["-shared", "-fPIC", "-std=c++17"]
 
 class KernelBuildError(RuntimeError):
     pass
-
-
-class Unrecordable(RuntimeError):
-    """Raised by an op's declared entry for arguments whose call a recording could not
-    repeat (the message says why, e.g. an input the kernel can only read through a copy the
-    op makes per call)."""
-
-
-class NativeCall(NamedTuple):
-    """One call of a C function: its address and its integer or tensor arguments. `team`:
-    0 for a plain call, else the size of the OpenMP team it runs in as a team function (it
-    splits its work by `omp_get_thread_num()` and may use orphaned barriers; a replay runs
-    a run of such calls in one team, a barrier after each). `eager`: how the op makes the
-    call itself (the same arguments, then the team size for a team function; None where the
-    op makes it another way). `keep`: objects a recording must hold while it lives (what
-    integer arguments point into); `check`: run after each replay, returns why the replay
-    failed or None."""
-
-    address: int
-    args: tuple
-    what: str
-    team: int
-    eager: Any
-    keep: tuple = ()
-    check: Callable[[], str | None] | None = None
-
-    def run(self) -> None:
-        """Make the call now (a team function in a region of its own)."""
-        ints = [a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in self.args]
-        self.eager(*ints, self.team) if self.team else self.eager(*ints)
-
-
-# "namespace::op" -> entry(args, outputs): the C calls an op makes for these arguments and
-# outputs (a NativeCall, a sequence of them, or None where it ran its torch reference).
-# Declared next to each op's registration; a CPU graph capture reads it, so the op itself
-# never knows whether it is recorded.
-Entry = Callable[[tuple, Any], "NativeCall | Sequence[NativeCall] | None"]
-_ENTRIES: dict[str, Entry] = {}
-
-
-def declare_entry(op: str, entry: Entry) -> None:
-    """Declare the C call(s) op `op` ("compilecore::linear") makes, as a function of its
-    arguments and its outputs; the same function the op itself uses to make the call. The
-    entry raises `Unrecordable` for arguments a recording could not repeat."""
-    _ENTRIES[op] = entry
-
-
-def native_entry(op: str) -> Entry | None:
-    return _ENTRIES.get(op)
-
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-def madvise_huge(address: int, length: int) -> bool:
-    """Ask Linux to back [address, address + length) with transparent huge pages (which it
-    does on first touch in the common `madvise` mode); False where it refuses."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return madvise(address, length, MADV_HUGEPAGE) == 0
-
-
-def version_counter(t: torch.Tensor) -> int:
-    """t's version counter (moved by every write through torch), which copies made from
-    a weight are keyed by; 0 for an inference tensor (no counter, never written in place
-    outside inference mode)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return 0
-
-
-def huge_page_buffer(nbytes: int) -> tuple[Any, bool]:
-    """An untouched uint8 tensor of `nbytes` starting on a 2 MiB boundary and advised
-    MADV_HUGEPAGE (Linux backs it with huge pages on first touch), and whether the advice
-    was taken (normal pages otherwise)."""
-    import torch
-
-    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside `raw`
-    raw = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)  # untouched: no pages yet
-    start = -raw.data_ptr() % HUGE_PAGE
-    advised = madvise_huge(raw.data_ptr() + start, length)
-    return raw[start : start + nbytes], advised
-
-
-def function_address(fn: Any) -> int:
-    """The address of a ctypes function (a `NativeCall`'s `address`)."""
-    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 def cache_root() -> Path:
@@ -295,8 +176,8 @@ def load_op_kernel(
     or None where it cannot be built or its `available()` says this CPU lacks what it
     needs; callers then take their fallback. `dot_sizes`: row lengths the source's
     `CC_DOT_SIZES` list gets (`CC_DOT(576) CC_DOT(1536)`), one build per list; its
-    `CC_PREFETCH` is `weight_prefetch_bytes()`."""
-    flags = FLAGS + [f"-DCC_PREFETCH={weight_prefetch_bytes()}"]
+    `CC_PREFETCH` is `passes.prefetch.weight_prefetch_bytes()`."""
+    flags = FLAGS + [f"-DCC_PREFETCH={prefetch.weight_prefetch_bytes()}"]
     if dot_sizes:
         flags += ["-DCC_DOT_SIZES=" + " ".join(f"CC_DOT({k})" for k in dot_sizes)]
     try:

@@ -14,7 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from passes.native import HUGE_PAGE, huge_page_buffer
+from passes.huge_pages import HUGE_PAGE, huge_page_buffer
 
 logger = logging.getLogger("compilecore")
 

@@ -14,8 +14,8 @@ import torch
 
 from compilecore import cpu_graph
 from compilecore.compile_cache import compile_cache_root
-from passes import native
-from passes.native import NativeCall
+from passes import native_calls
+from passes.native_calls import NativeCall
 from runtime import LLM, SamplingParams
 from runtime.huge_pages import pack_parameters
 from tests.helpers import hf_greedy
@@ -201,11 +201,11 @@ _TEST_LIB.impl("declared", lambda anchor, index: None, "CPU")
 def _declared_entry(args: tuple, out: None):
     call = _DECLARED[args[1]]
     if isinstance(call, str):
-        raise native.Unrecordable(call)
+        raise native_calls.Unrecordable(call)
     return call
 
 
-native.declare_entry("cpu_graph_test::declared", _declared_entry)
+native_calls.declare_entry("cpu_graph_test::declared", _declared_entry)
 
 
 def _declare(call) -> None:
@@ -239,7 +239,7 @@ def test_declared_native_call_is_replayed(tmp_path):
     libc = ctypes.CDLL(None)
     libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     src, dst = torch.arange(8, dtype=torch.float32), torch.zeros(8)
-    call = NativeCall(native.function_address(libc.memcpy), (dst, src, 32), "memcpy", 0,
+    call = NativeCall(native_calls.function_address(libc.memcpy), (dst, src, 32), "memcpy", 0,
                       libc.memcpy)  # fmt: skip
 
     def step():
@@ -288,7 +288,8 @@ void team_size(int64_t* out) { out[omp_get_thread_num()] = omp_get_num_threads()
 def test_team_calls_run_in_one_team_with_a_barrier_between(tmp_path):
     """Consecutive team calls run on every thread of one OpenMP team, each after the
     last one finished on all threads; a plain call between them runs outside it."""
-    from passes.native import function_address, load_library
+    from passes.native import load_library
+    from passes.native_calls import function_address
 
     lib = load_library(TEAM_SOURCE, "team_test", tmp_path)
     slots, sums = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from compilecore import cpu_graph, testing
-from passes import native
+from passes import native, prefetch
 from passes.ops import derived, gemv
 
 pytestmark = pytest.mark.skipif(
@@ -192,7 +192,7 @@ def test_screen_bytes_are_the_int8_copy_and_its_row_data():
 
 @pytest.mark.parametrize("screened", [False, True])
 def test_prefetching_builds_compute_the_same_bits(monkeypatch, screened):
-    """The weight prefetch (`native.weight_prefetch_bytes`: 4 KB on Intel CPUs, none
+    """The weight prefetch (`prefetch.weight_prefetch_bytes`: 4 KB on Intel CPUs, none
     elsewhere) moves no arithmetic: builds with and without it give the same logits, on
     a head long enough that each thread prefetches ahead of most rows (576-wide, unrolled),
     whole and screened. Both builds are made on any CPU, so each path is tested here."""
@@ -204,7 +204,7 @@ def test_prefetching_builds_compute_the_same_bits(monkeypatch, screened):
     logits = []
     try:
         for ahead in (0, 4096):
-            monkeypatch.setattr(native, "weight_prefetch_bytes", lambda ahead=ahead: ahead)
+            monkeypatch.setattr(prefetch, "weight_prefetch_bytes", lambda ahead=ahead: ahead)
             gemv._kernel.cache_clear()
             derived.forget("head_screen")
             logits.append(_screened(x, w) if screened else torch.ops.compilecore.gemv_logits(x, w))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import MistralConfig, Qwen2Config
 
 from compilecore import cpu_graph, testing
-from passes import native
+from passes import native_calls
 from passes.ops import add_rms_norm, layer_kernels, qkv_rope, silu_and_mul
 from tests.helpers import TOKENIZER_VOCAB, save_checkpoint
 
@@ -165,7 +165,7 @@ def test_the_engine_builds_batch_1_from_the_small_passes(tiny_llama, tmp_path):
     assert isinstance(graph, cpu_graph.CpuGraph)
     lib = layer_kernels._kernel()
     program = graph.program.tolist()
-    at = program.index(native.function_address(lib.add_rms_norm_team_bf16))
+    at = program.index(native_calls.function_address(lib.add_rms_norm_team_bf16))
     assert program[at - 1] >> 16 == torch.get_num_threads()
     eager = LLM(str(tiny_llama[0]), dtype="bfloat16", compilation_config={"mode": "none"})
     want = eager.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -150,7 +150,7 @@ def test_compiled_bf16_model_with_the_pass_matches_eager():
 def test_packed_copies_come_from_huge_page_chunks():
     """Buffers are 64-byte aligned, never overlap, and a copy larger than a chunk gets a
     chunk of its own, 2 MiB aligned (where Linux backs it with huge pages)."""
-    from passes.native import HUGE_PAGE
+    from passes.huge_pages import HUGE_PAGE
 
     arena = packed_linear._HugePageArena()
     small = [arena.alloc(n) for n in (100, 64, 4096, 1)]

@@ -17,14 +17,14 @@ from torch import nn
 
 from compilecore.config import EngineConfig
 from compilecore.forward_context import get_forward_context
-from passes import native
-from passes.native import NativeCall
+from passes import native_calls
+from passes.native_calls import NativeCall
 
 
 class AttentionImpl(Protocol):
     """What a runtime backend provides; bound to each layer with `Attention.bind`. A backend
     whose kernels a CPU graph can replay also has `native_calls(layer, q, k, v, output,
-    attn_metadata)`: the C calls (`passes.native.NativeCall`) its last `forward` made."""
+    attn_metadata)`: the C calls (`passes.native_calls.NativeCall`) its last `forward` made."""
 
     def forward(
         self,
@@ -119,4 +119,4 @@ for _key in ("CPU", "CUDA"):
 torch.library.register_fake(
     "compilecore::unified_attention_with_output", _fake_unified_attention_with_output, lib=_LIB
 )
-native.declare_entry("compilecore::unified_attention_with_output", _native_calls)
+native_calls.declare_entry("compilecore::unified_attention_with_output", _native_calls)

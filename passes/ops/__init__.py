@@ -2,7 +2,7 @@
 
 Each op has a fake implementation (for tracing), a torch reference implementation (the
 oracle, and the path where no kernel applies), a C kernel for CPU (`layer_kernels.cpp`,
-declared with `passes.native.declare_entry`) and, for the mission's fusions, a Triton
+declared with `passes.native_calls.declare_entry`) and, for the mission's fusions, a Triton
 kernel (used for CUDA tensors)."""
 
 from passes.ops import linear, quantized, silu_and_mul  # noqa: F401 - registers the ops

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from passes import native
-from passes.native import NativeCall
+from passes import native_calls
+from passes.native_calls import NativeCall
 from passes.ops import layer_kernels
 from passes.ops.triton_utils import next_power_of_2, row_num_warps, use_triton
 
@@ -80,4 +80,4 @@ _LIB.define(
 for _key in ("CPU", "CUDA"):
     _LIB.impl("fused_add_rms_norm", fused_add_rms_norm, _key)
 torch.library.register_fake("compilecore::fused_add_rms_norm", _fake, lib=_LIB)
-native.declare_entry("compilecore::fused_add_rms_norm", _native_call)
+native_calls.declare_entry("compilecore::fused_add_rms_norm", _native_call)

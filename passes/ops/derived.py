@@ -16,13 +16,21 @@ from typing import Any
 
 import torch
 
-from passes import native
-
 # id(weight) -> (weak reference to it, {kind or (kind, view): (the state when made, the copy)}).
 # A plain dict keyed by id (checked against the weak reference) is ~4x cheaper to look up
 # than a WeakKeyDictionary, and an eager batched step looks up 121 weights.
 _COPIES: dict[int, tuple[weakref.ref, dict[Hashable, tuple[tuple, Any]]]] = {}
 _WRITES = [0]  # weights_written() calls
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """t's version counter (moved by every write through torch), which copies made from
+    a weight are keyed by; 0 for an inference tensor (no counter, never written in place
+    outside inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
 
 
 def weights_written() -> None:
@@ -32,7 +40,7 @@ def weights_written() -> None:
 
 
 def _state(w: torch.Tensor) -> tuple:
-    return w.data_ptr(), native.version_counter(w), _WRITES[0]
+    return w.data_ptr(), version_counter(w), _WRITES[0]
 
 
 def _owner(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, Hashable]:

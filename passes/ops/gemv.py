@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from passes import native
-from passes.native import NativeCall
+from passes import huge_pages, native, native_calls
+from passes.native_calls import NativeCall
 from passes.ops import derived
 
 
@@ -78,7 +78,7 @@ def _make_screen(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]
     pages, per row (scale, |w - q scale|, |q scale|, sum of q) as fp32, Kp, and the slack
     per unit of |x| that covers fp32 rounding in both products (a float's bits)."""
     (n, k), kp = w.shape, -(-w.shape[1] // 64) * 64
-    q, _ = native.huge_page_buffer(n * kp)
+    q, _ = huge_pages.huge_page_buffer(n * kp)
     q = q.view(torch.int8).view(n, kp)
     meta = torch.empty(n, 4)
     for start in range(0, n, 4096):  # fp32 temporaries a few MB at a time
@@ -118,7 +118,7 @@ def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple | None:
         return None
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         # The op reads a copy it makes per call: a replay would read the one made at capture.
-        raise native.Unrecordable("compilecore.gemv_logits on an input with strided columns")
+        raise native_calls.Unrecordable("compilecore.gemv_logits on an input with strided columns")
     (m, k), n = x.shape, w.shape[0]
     if not m:
         return ()
@@ -128,7 +128,7 @@ def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple | None:
     if m == 1 and argmax_only is not None and lib.gemv_screen_available():
         q, meta, kp, slack_bits = _screen(w)
         args, fn = (*args, q, kp, meta, slack_bits, argmax_only), lib.gemv_head_bf16
-    return NativeCall(native.function_address(fn), args, "compilecore.gemv_logits", 0, fn)
+    return NativeCall(native_calls.function_address(fn), args, "compilecore.gemv_logits", 0, fn)
 
 
 def gemv_logits(
@@ -166,4 +166,4 @@ _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("gemv_logits(Tensor x, Tensor w, Tensor? argmax_only=None) -> Tensor")
 _LIB.impl("gemv_logits", gemv_logits, "CPU")
 torch.library.register_fake("compilecore::gemv_logits", _fake_gemv_logits, lib=_LIB)
-native.declare_entry("compilecore::gemv_logits", _native_call)
+native_calls.declare_entry("compilecore::gemv_logits", _native_call)

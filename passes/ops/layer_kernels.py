@@ -1,10 +1,10 @@
 """The CPU kernels of the batch-1 layer ops (`layer_kernels.cpp`): how each op's call is
-made, as data (`passes.native.NativeCall`), from its arguments and outputs.
+made, as data (`passes.native_calls.NativeCall`), from its arguments and outputs.
 
 Each builder returns None where the kernel does not apply (not bf16, not contiguous, no
 AVX-512, no compiler); the op then runs its torch reference. The op runs the call in a
 region of its own; a CPU graph records the same call as a team function
-(`passes.native.declare_entry`), so a piece's ops and the attention between pieces run in
+(`passes.native_calls.declare_entry`), so a piece's ops and the attention between pieces run in
 one OpenMP team at replay, a barrier between calls (compilecore/cpu_graph.py)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from passes import native
-from passes.native import NativeCall
+from passes import native, native_calls
+from passes.native_calls import NativeCall
 
 
 @functools.cache
@@ -50,7 +50,9 @@ def _bf16_contiguous(*tensors: torch.Tensor | None) -> bool:
 def _call(lib: ctypes.CDLL, name: str, args: tuple, what: str) -> NativeCall:
     team = getattr(lib, f"{name}_team_bf16")
     eager = getattr(lib, f"{name}_bf16")
-    return NativeCall(native.function_address(team), args, what, torch.get_num_threads(), eager)
+    return NativeCall(
+        native_calls.function_address(team), args, what, torch.get_num_threads(), eager
+    )
 
 
 def _null(t: torch.Tensor | None) -> torch.Tensor | int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from passes import native
-from passes.native import NativeCall
+from passes import native_calls
+from passes.native_calls import NativeCall
 from passes.ops import layer_kernels
 
 
@@ -38,4 +38,4 @@ _LIB.define("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor")
 _LIB.impl("linear", linear, "CPU")
 _LIB.impl("linear", lambda x, w, bias=None: F.linear(x, w, bias), "CUDA")
 torch.library.register_fake("compilecore::linear", _fake_linear, lib=_LIB)
-native.declare_entry("compilecore::linear", _native_call)
+native_calls.declare_entry("compilecore::linear", _native_call)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from passes import native
-from passes.native import NativeCall
+from passes import native, native_calls
+from passes.native_calls import NativeCall
 
 # A byte copy into the output, not `aoti_torch_copy_`: that is an in-place write to an
 # inference tensor, refused outside inference mode. shim = [linear, data_ptr, delete,
@@ -73,7 +73,7 @@ def shim_call() -> tuple[ctypes._CFuncPtr, torch.Tensor] | None:
     try:
         libtorch = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
                                             "libtorch_cpu.so"))  # fmt: skip
-        addresses = [native.function_address(getattr(libtorch, name)) for name in names]
+        addresses = [native_calls.function_address(getattr(libtorch, name)) for name in names]
         root = native.cache_root() / "torch_compile"
         lib = native.load_library(_SOURCE, "onednn_shim", root, ["-O2", "-shared", "-fPIC"])
     except (OSError, AttributeError, native.KernelBuildError):
@@ -108,7 +108,7 @@ def linear_call(x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor) -> Nativ
     fn, shim = shim_fn
     handles = (Handle(x), Handle(packed))
     args = (shim, handles[0].address, handles[1].address, y, y.numel() * y.element_size())
-    call = NativeCall(native.function_address(fn), args, "compilecore.packed_mm", 0, fn,
+    call = NativeCall(native_calls.function_address(fn), args, "compilecore.packed_mm", 0, fn,
                       keep=handles, check=failures)  # fmt: skip
     call.run()
     if (failure := failures()) is not None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from passes import native
-from passes.native import NativeCall
+from passes import huge_pages, native, native_calls
+from passes.native_calls import NativeCall, Unrecordable
 from passes.ops import derived, onednn_shim
 
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
@@ -50,7 +50,7 @@ class _HugePageArena:
         size = -(-nbytes // 64) * 64
         with self.lock:
             if self.chunk is None or self.used + size > self.chunk.numel():
-                self.chunk = native.huge_page_buffer(max(self.CHUNK, size))[0]
+                self.chunk = huge_pages.huge_page_buffer(max(self.CHUNK, size))[0]
                 self.used = 0
             buffer = self.chunk[self.used : self.used + nbytes]
             self.used += size
@@ -131,8 +131,8 @@ def _own_kernel_call(
     lib, (m, k), n = _kernel(), x.shape, w.shape[0]
     b = 0 if bias is None else bias
     args = (x, x.stride(0), packed_weight(w), b, y, n, m, n, k, torch.get_num_threads())
-    return NativeCall(native.function_address(lib.packed_mm_bf16), args, "compilecore.packed_mm",
-                      0, lib.packed_mm_bf16)  # fmt: skip
+    fn = lib.packed_mm_bf16
+    return NativeCall(native_calls.function_address(fn), args, "compilecore.packed_mm", 0, fn)
 
 
 def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple:
@@ -143,20 +143,18 @@ def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple:
     # The kernel reads x's rows at any stride, oneDNN only a contiguous x; copies made per
     # call would be replayed as the one made at capture.
     if x.stride(1) != 1 or not (own or x.is_contiguous()):
-        raise native.Unrecordable("compilecore.packed_mm on an input its kernel cannot read in "
-                                  "place")  # fmt: skip
+        raise Unrecordable("compilecore.packed_mm on an input its kernel cannot read in place")
     if bias is not None and not bias.is_contiguous():
-        raise native.Unrecordable("compilecore.packed_mm with a strided bias")
+        raise Unrecordable("compilecore.packed_mm with a strided bias")
     if not x.shape[0]:
         return ()
     if own:
         return _own_kernel_call(x, w, bias, out)
     if bias is not None:
-        raise native.Unrecordable("compilecore.packed_mm with a bias through oneDNN (the shim "
-                                  "has none)")  # fmt: skip
+        raise Unrecordable("compilecore.packed_mm with a bias through oneDNN (the shim has none)")
     call = onednn_shim.linear_call(x, packed_weight(w), out)
     if call is None:
-        raise native.Unrecordable("compilecore.packed_mm through oneDNN (no AOTInductor shim)")
+        raise Unrecordable("compilecore.packed_mm through oneDNN (no AOTInductor shim)")
     return call
 
 
@@ -183,4 +181,4 @@ _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("packed_mm(Tensor x, Tensor w, Tensor? bias=None) -> Tensor")
 _LIB.impl("packed_mm", packed_mm, "CPU")
 torch.library.register_fake("compilecore::packed_mm", _fake_packed_mm, lib=_LIB)
-native.declare_entry("compilecore::packed_mm", _native_call)
+native_calls.declare_entry("compilecore::packed_mm", _native_call)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from passes import native
-from passes.native import NativeCall
+from passes import native_calls
+from passes.native_calls import NativeCall
 from passes.ops import layer_kernels
 from passes.ops.triton_utils import next_power_of_2, use_triton
 
@@ -132,4 +132,4 @@ torch.library.register_fake(
     lambda qkv, positions, cache, h, kv, d: _empty_outputs(qkv, h, kv, d),
     lib=_LIB,
 )
-native.declare_entry("compilecore::fused_qkv_rope", _native_call)
+native_calls.declare_entry("compilecore::fused_qkv_rope", _native_call)

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from passes import native
-from passes.native import NativeCall
+from passes import native, native_calls
+from passes.native_calls import NativeCall
 
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # Rows up to which the products read the blocks directly (exact, bound by reading the
@@ -164,7 +164,7 @@ def _product_call(
     args = (x, flags, w, *fields, 0 if bias is None else bias, y, m, n, k, k // groups)
     team, region = getattr(lib, f"{name}_team"), getattr(lib, f"{name}_region")
     return NativeCall(
-        native.function_address(team), args, f"compilecore.{name}", torch.get_num_threads(),
+        native_calls.function_address(team), args, f"compilecore.{name}", torch.get_num_threads(),
         region,
     )  # fmt: skip
 
@@ -260,5 +260,5 @@ torch.library.register_fake("compilecore::dequantize_q4", _fake_dequantize_q4, l
 torch.library.register_fake("compilecore::dequantize_q8", _fake_dequantize_q8, lib=_LIB)
 torch.library.register_fake("compilecore::q4_linear", _fake_q4, lib=_LIB)
 torch.library.register_fake("compilecore::q8_linear", _fake_q8, lib=_LIB)
-native.declare_entry("compilecore::q4_linear", _q4_call)
-native.declare_entry("compilecore::q8_linear", _q8_call)
+native_calls.declare_entry("compilecore::q4_linear", _q4_call)
+native_calls.declare_entry("compilecore::q8_linear", _q8_call)

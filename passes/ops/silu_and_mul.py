@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from passes import native
-from passes.native import NativeCall
+from passes import native_calls
+from passes.native_calls import NativeCall
 from passes.ops import layer_kernels
 
 
@@ -39,4 +39,4 @@ _LIB.define("silu_and_mul(Tensor x) -> Tensor")
 _LIB.impl("silu_and_mul", silu_and_mul, "CPU")
 _LIB.impl("silu_and_mul", silu_and_mul_ref, "CUDA")
 torch.library.register_fake("compilecore::silu_and_mul", _fake_silu_and_mul, lib=_LIB)
-native.declare_entry("compilecore::silu_and_mul", _native_call)
+native_calls.declare_entry("compilecore::silu_and_mul", _native_call)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from passes import native
-from passes.native import NativeCall
+from passes import native_calls
+from passes.native_calls import NativeCall
 from runtime.attention.cpu_build import load_cpu_kernels
 from runtime.attention.metadata import AttentionMetadata
 from runtime.attention.torch_paged import TorchPagedAttentionBackend, _plan, _StepPlan
@@ -135,11 +135,11 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         step = meta.cache["cpu_paged"]
         rows = {name: _rows(t) for name, t in (("q", q), ("k", k), ("v", v))}
         if step.prefill is not None:
-            raise native.Unrecordable("CPU attention: prefill chunks run in Python")
+            raise native_calls.Unrecordable("CPU attention: prefill chunks run in Python")
         if any(rows[n].data_ptr() != t.data_ptr() for n, t in (("q", q), ("k", k), ("v", v))):
-            raise native.Unrecordable("CPU attention: q/k/v rows are copied per call")
+            raise native_calls.Unrecordable("CPU attention: q/k/v rows are copied per call")
         q, k, v = rows["q"], rows["k"], rows["v"]
-        address, team, calls = native.function_address, self.num_threads, []
+        address, team, calls = native_calls.function_address, self.num_threads, []
         if step.num_tokens:
             calls.append(NativeCall(
                 address(bound.team_write),
