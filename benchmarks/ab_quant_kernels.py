@@ -45,21 +45,40 @@ def build(text: str, name: str):
     return lib
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> float:
+    """Runs the A/B; returns the median ratio (working tree / base)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("file")
     parser.add_argument("--base", default="HEAD~1", help="git revision of the other build")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=48)
-    args = parser.parse_args()
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--tokenizer", default=None, help="where the file's metadata has none")
+    args = parser.parse_args(argv)
     base = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"],
                           capture_output=True, text=True, check=True).stdout  # fmt: skip
     builds = {"base": build(base, "quant_ab_base"),
               "tree": build((ROOT / SOURCE).read_text(), "quant_ab_tree")}  # fmt: skip
+    original = quantized._kernel
+    try:
+        speeds = _rounds(args, builds)
+    finally:
+        quantized._kernel = original  # the process's own build again
+    ratios = [t / b for t, b in zip(speeds["tree"], speeds["base"])]
+    tree, base_speed = (statistics.median(speeds[n]) for n in ("tree", "base"))
+    print(
+        f"{Path(args.file).name}, {machine()['cpu_model']}: tree / {args.base} = "
+        f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}), tok/s "
+        f"tree {tree:.2f}, base {base_speed:.2f}"
+    )
+    return statistics.median(ratios)
+
+
+def _rounds(args: argparse.Namespace, builds: dict) -> dict[str, list[float]]:
     engines = {}
     for name, lib in builds.items():
         quantized._kernel = lambda lib=lib: lib  # what this engine's ops (and graph) call
-        engines[name] = LLM(args.file, max_model_len=512)
+        engines[name] = LLM(args.file, tokenizer=args.tokenizer, max_model_len=args.max_model_len)
         decode_once(engines[name], [1, 2, 3, 4], 8)  # compiles and records its graph
     speeds: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds):
@@ -68,13 +87,7 @@ def main() -> None:
             quantized._kernel = lambda lib=builds[name]: lib  # an eager prefill's build
             speeds[name].append(decode_once(engines[name], prompt, args.tokens))
         print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.2f}" for n, v in speeds.items()))
-    ratios = [t / b for t, b in zip(speeds["tree"], speeds["base"])]
-    tree, base = (statistics.median(speeds[n]) for n in ("tree", "base"))
-    print(
-        f"{Path(args.file).name}, {machine()['cpu_model']}: tree / {args.base} = "
-        f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}), tok/s "
-        f"tree {tree:.2f}, base {base:.2f}"
-    )
+    return speeds
 
 
 if __name__ == "__main__":

@@ -167,3 +167,19 @@ def test_aot_compile_compare_smoke():
         for phase in ("cold", "warm"):
             assert "error" not in r[phase], r
             assert r[phase]["first_call_s"] > 0 and r[phase]["call_us"] > 0
+
+
+def test_ab_quant_kernels_smoke(tiny_gguf, tokenizer_dir, capsys):
+    """Two builds of the quantized kernels (here the committed one and the working
+    tree's), one engine each on a GGUF file, alternating rounds; the process's own build is
+    back afterwards."""
+    from passes.ops import quantized
+
+    if subprocess.run(["git", "-C", str(BENCH), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: no committed build to compare with")
+    before = quantized._kernel
+    ab = _load("ab_quant_kernels")
+    ratio = ab.main([str(tiny_gguf[0]), "--base", "HEAD", "--rounds", "2", "--tokens", "4",
+                     "--max-model-len", "128", "--tokenizer", str(tokenizer_dir)])  # fmt: skip
+    assert ratio > 0 and "tree / HEAD" in capsys.readouterr().out
+    assert quantized._kernel is before
