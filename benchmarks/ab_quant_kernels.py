@@ -32,10 +32,8 @@ SOURCE = "passes/ops/quant_kernels.cpp"
 def build(text: str, name: str):
     """The kernel library built from `text` (the common header pasted in), as `_kernel`
     returns it."""
-    text = text.replace(f'#include "{native.COMMON_HEADER.name}"',
-                        native.COMMON_HEADER.read_text(), 1)  # fmt: skip
     flags = native.FLAGS + [f"-DCC_PREFETCH={prefetch.weight_prefetch_bytes()}"]
-    lib = native.load_library(text, name, native.cache_root() / "ab", flags)
+    lib = native.load_library(native.op_source(text), name, native.cache_root() / "ab", flags)
     quantized._kernel.cache_clear()
     real = quantized._kernel()  # the working tree's, with its argument types set
     for fn in ("q4_linear_team", "q4_linear_region", "q8_linear_team", "q8_linear_region",

@@ -162,10 +162,11 @@ def unrolled_sizes(*sizes: int) -> tuple[int, ...]:
 COMMON_HEADER = Path(__file__).parent / "ops" / "cc_common.h"
 
 
-def op_source(source: Path) -> str:
-    """`source`'s text with `#include "cc_common.h"` replaced by that header's text: the
-    build is keyed by the text it compiles, so editing the header rebuilds every kernel."""
-    text = source.read_text()
+def op_source(source: Path | str) -> str:
+    """`source`'s text (a file, or the text itself) with `#include "cc_common.h"` replaced
+    by that header's text: the build is keyed by the text it compiles, so editing the
+    header rebuilds every kernel."""
+    text = source.read_text() if isinstance(source, Path) else source
     return text.replace(f'#include "{COMMON_HEADER.name}"', COMMON_HEADER.read_text(), 1)
 
 

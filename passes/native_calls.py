@@ -40,7 +40,10 @@ class NativeCall(NamedTuple):
     def run(self) -> None:
         """Make the call now (a team function in a region of its own)."""
         ints = [a.data_ptr() if hasattr(a, "data_ptr") else int(a) for a in self.args]
-        self.eager(*ints, self.team) if self.team else self.eager(*ints)
+        if self.team:
+            self.eager(*ints, self.team)
+        else:
+            self.eager(*ints)
 
 
 # "namespace::op" -> entry(args, outputs): the C calls an op makes for these arguments and

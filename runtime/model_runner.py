@@ -250,9 +250,11 @@ class ModelRunner:
         )
         return padded, meta
 
-    def _write_inputs(self, plan: StepPlan) -> int:
+    def _write_inputs(self, plan: StepPlan, logits_rows: bool = True) -> int:
         """The step's token ids, positions and attention inputs into the persistent
-        buffers (what a recorded graph reads); returns the padded token count."""
+        buffers (what a recorded graph reads), and the rows whose logits are gathered
+        unless `logits_rows` is False (a CPU graph's head takes rows 0..n-1 as they are);
+        returns the padded token count."""
         n, b = plan.num_tokens, len(plan.seq_lens)
         padded = self.padded_size(n)
         # Padding rows: token 0 at position 0, slot -1 (written nowhere in the cache).
@@ -267,8 +269,9 @@ class ModelRunner:
         views["slot_mapping"][:n] = plan.slots
         for i, t in enumerate(plan.block_tables):
             views["block_table"][i, : len(t)] = t
-        r = len(plan.logits_rows)
-        views["logits_indices"][:r] = plan.logits_rows
+        r = len(plan.logits_rows) if logits_rows else 0
+        if r:
+            views["logits_indices"][:r] = plan.logits_rows
         if self.staging is not None:
             rows = {"input_ids": padded, "positions": padded, "query_start_loc": b + 1,
                     "seq_lens": b, "slot_mapping": n, "block_table": b,
@@ -292,7 +295,7 @@ class ModelRunner:
                 # A recorded step calls no torch function on the way, not even inference
                 # mode's guard: right after the weights have streamed through the caches
                 # each such call costs tens of microseconds (benchmarks/NOTES.md, section 30).
-                self._write_inputs(pad_decode_plan(plan, size))
+                self._write_inputs(pad_decode_plan(plan, size), logits_rows=False)
                 compilation_counter.num_cpu_graph_replays += 1
                 logits = graph.replay()
                 return logits if size == plan.num_tokens else logits[: plan.num_tokens]
