@@ -11,8 +11,8 @@
 //       32), Q6_K (g = 16, fp32 scales, q - 32), int8 per output channel (g = K).
 // Three paths. fp32 activations: every value dequantized in fp32 exactly as the reference
 // does (scale * q is exact, one rounding for the min), products summed in fp32. bf16
-// activations with AVX512-BF16: exact products of bf16 nibbles and activations, summed in
-// fp32 (below). Without AVX512-BF16 but with AVX512-VNNI: activations quantized to int8 per
+// activations with AVX512-BF16: exact products of the weights' integers (q4's nibbles, q8's
+// bytes: both exact in bf16) and the activations, summed in fp32 (below). Without AVX512-BF16 but with AVX512-VNNI: activations quantized to int8 per
 // run of 32, as llama.cpp does (a bound tested in tests/test_quantized.py).
 //
 // Like layer_kernels.cpp, each `*_team` function runs on every thread of a parallel region
@@ -290,35 +290,46 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
   }
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
 }
-// q8 on the same path: u = q + 128 in [0, 255] splits into nibbles u = 16 h + l, each a bf16
-// 128 + nibble as above, two exact products per run, in memory order (one run a vector):
-//   sum_j q_j x_j = 16 (A - 128 X) + (B - 128 X) - 128 X = 16 A + B - 2304 X,
-// A = sum (128 + h_j) x_j, B = sum (128 + l_j) x_j, X = sum x_j (the group's sum). Groups
-// of G = 32 (Q8_0, int8) or 16 (Q6_K): `vdpbf16ps`'s lane i sums values 2i and 2i + 1, so
-// lanes 0-7 hold a run's first 16 values and lanes 8-15 its last 16, and a group of 16
-// scales half the lanes.
+// q8 on the same path, one product a value: q in [-128, 127] is exact in bf16 (8 bits of
+// significand), so a run of 32 widens to fp32 and narrows to bf16 without rounding, and
+// `vdpbf16ps` multiplies it by 32 activations exactly and adds in fp32. Groups of G = 32
+// (Q8_0) or 16 (Q6_K): `vdpbf16ps`'s lane i sums values 2i and 2i + 1,
+// so lanes 0-7 hold a run's first 16 values and lanes 8-15 its last 16, and a group of 16
+// scales half the lanes. G = 0: one scale for the whole row (int8 per output channel),
+// applied once at the end. The nibble split this replaced took two products a value and
+// rounded more (offset terms that cancel): NOTES 49.
+// A run of 32 q8 values as bf16, in memory order.
+inline __m512bh q8_run_bf16(const int8_t* w) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 template <int MB, int G, typename S>
-inline void row_product_q8_bf16(const bf16* const* xs, const float* const* sums, int64_t K,
-                                const int8_t* w, const S* s, float* out) {
-  __m512 acc[MB_MAX], offs[MB_MAX];
-  for (int m = 0; m < MB; ++m) acc[m] = offs[m] = _mm512_setzero_ps();
-  const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
-  const __m512i flip = _mm512_set1_epi16(0x0080);
-  const int64_t groups = K / G;
+inline void row_product_q8_bf16(const bf16* const* xs, int64_t K, const int8_t* w, const S* s,
+                                float* out) {
+  __m512 acc[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  if constexpr (G == 0) {
+    for (int64_t k = 0; k < K; k += 32) {
+      prefetch_weights(w + k);
+      const __m512bh q = q8_run_bf16(w + k);
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm512_dpbf16_ps(acc[m], q, (__m512bh)_mm512_loadu_si512(xs[m] + k));
+    }
+    for (int m = 0; m < MB; ++m) out[m] = scale1(s[0]) * _mm512_reduce_add_ps(acc[m]);
+    return;
+  }
+  const int64_t groups = K / (G ? G : K);
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t n = groups - g0 < 16 ? groups - g0 : 16;
-    const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 d = scales16(s + g0, live);
-    const __m512 off = _mm512_mul_ps(d, _mm512_set1_ps(-2304.f));
-    for (int m = 0; m < MB; ++m)
-      offs[m] = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(live, sums[m] + g0), offs[m]);
+    const __m512 d = scales16(s + g0, __mmask16((1u << n) - 1));
     for (int64_t r = 0; r < n * G / 32; ++r) {
       const int64_t k = g0 * G + r * 32;
       prefetch_weights(w + k);
-      const __m512i u = _mm512_xor_si512(_mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k))), flip);
-      const __m512i l = _mm512_ternarylogic_epi32(low, u, exponent, 0xea);
-      const __m512i h = _mm512_or_si512(_mm512_srli_epi16(u, 4), exponent);
+      const __m512bh q = q8_run_bf16(w + k);
       const int i = int(r);
       const __m512i pick = G == 32 ? _mm512_set1_epi32(i)
                                    : _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i,
@@ -327,24 +338,22 @@ inline void row_product_q8_bf16(const bf16* const* xs, const float* const* sums,
                                                        2 * i + 1, 2 * i + 1, 2 * i + 1);
       const __m512 scale = _mm512_permutexvar_ps(pick, d);
       for (int m = 0; m < MB; ++m) {
-        const __m512 xv = _mm512_castsi512_ps(_mm512_loadu_si512(xs[m] + k));
-        const __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)h, (__m512bh)xv);
-        const __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)l, (__m512bh)xv);
-        acc[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(a, _mm512_set1_ps(16.f), b), scale, acc[m]);
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[m] + k);
+        acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q, xv), scale, acc[m]);
       }
     }
   }
-  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], offs[m]));
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
 // The explicit dispatch on mb (a generic lambda cost 10-15%: NOTES 46), once per G.
 template <int G, typename S>
-inline void q8_bf16_rows(int64_t mb, const bf16* const* xs, const float* const* sums,
-                         int64_t K, const int8_t* w, const S* s, float* out) {
-  if (mb == 4) row_product_q8_bf16<4, G>(xs, sums, K, w, s, out);
-  else if (mb == 3) row_product_q8_bf16<3, G>(xs, sums, K, w, s, out);
-  else if (mb == 2) row_product_q8_bf16<2, G>(xs, sums, K, w, s, out);
-  else row_product_q8_bf16<1, G>(xs, sums, K, w, s, out);
+inline void q8_bf16_rows(int64_t mb, const bf16* const* xs, int64_t K, const int8_t* w,
+                         const S* s, float* out) {
+  if (mb == 4) row_product_q8_bf16<4, G>(xs, K, w, s, out);
+  else if (mb == 3) row_product_q8_bf16<3, G>(xs, K, w, s, out);
+  else if (mb == 2) row_product_q8_bf16<2, G>(xs, K, w, s, out);
+  else row_product_q8_bf16<1, G>(xs, K, w, s, out);
 }
 #define CC_BF16_PATH 1
 #else
@@ -364,15 +373,14 @@ inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n
   }
 }
 
-// Which path a call takes for bf16 activations and groups of 32 (or q8's of 16): the exact
-// bf16 path where AVX512-BF16 builds (for q4 as fast as the integer one; for q8, two
-// products a value, 1.34x slower, but the integer path cost Q8_0 1.5% perplexity: NOTES
-// 45), else the integer one (AVX512-VNNI, groups of 32 only); otherwise fp32.
+// Which path a call takes for bf16 activations: the exact bf16 path where AVX512-BF16
+// builds (q4: groups of 32; q8: groups of 32, 16 or the whole row), else for groups of 32
+// the integer one (AVX512-VNNI; it cost Q8_0 1.5% perplexity: NOTES 45); otherwise fp32.
 enum class Path { fp32, bf16, int8 };
 
 inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
   if (!bf || K % 64) return Path::fp32;
-  if (!q4 && g == 16) return CC_BF16_PATH ? Path::bf16 : Path::fp32;  // Q6_K's groups
+  if (!q4 && (g == 16 || g == K)) return CC_BF16_PATH ? Path::bf16 : Path::fp32;
   if (g != 32) return Path::fp32;
   if (CC_BF16_PATH) return Path::bf16;
   if (CC_INT8_PATH) return Path::int8;
@@ -388,9 +396,9 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t bf = flags & 1;
   const Path path = choose(Q4, bf, K, g);
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
-  // QuantRow (K int8s, two run arrays, K/4 int32s), the bf16 path's reordered row and sums.
+  // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
-                          : path == Path::bf16 ? K / 2 + K / 16 : 0;
+                          : Q4 && path == Path::bf16 ? K / 2 + K / 16 : 0;
   float* xf = scratch(M * (K + per_row));
   float* extra = xf + M * K;
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
@@ -410,12 +418,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     float* base = extra + m * per_row;
     return Bf16Row{reinterpret_cast<const bf16*>(base), base + K / 2};
   };
-  if (path == Path::bf16)  // q8 reads x as it is; only q4's nibble order needs the reorder
+  if (Q4 && path == Path::bf16)  // q8 reads x as it is; q4 needs the nibbles' order, sums
     for (int64_t m = 0; m < M; ++m) {
       float* base = extra + m * per_row;
       const bf16* xm = static_cast<const bf16*>(x) + m * K;
-      if (Q4) reorder_pairs(xm, K, reinterpret_cast<bf16*>(base));
-      run_sums(xm, K, base + K / 2, Q4 ? 32 : g);
+      reorder_pairs(xm, K, reinterpret_cast<bf16*>(base));
+      run_sums(xm, K, base + K / 2, 32);
     }
 #endif
   const auto [begin, end] = share(N);
@@ -429,16 +437,13 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       const float* xm = xf + m0 * K;
 #if CC_BF16_PATH
       if constexpr (!Q4) {
-        if (path == Path::bf16) {
+        if (path == Path::bf16) {  // x read as it is
           const bf16* xs[MB_MAX];
-          const float* sums[MB_MAX];
-          for (int64_t m = 0; m < mb; ++m) {
-            xs[m] = static_cast<const bf16*>(x) + (m0 + m) * K;
-            sums[m] = bf16_row(m0 + m).sum;
-          }
+          for (int64_t m = 0; m < mb; ++m) xs[m] = static_cast<const bf16*>(x) + (m0 + m) * K;
           const int8_t* wq = reinterpret_cast<const int8_t*>(wrow);
-          if (g == 16) q8_bf16_rows<16>(mb, xs, sums, K, wq, s, out);
-          else q8_bf16_rows<32>(mb, xs, sums, K, wq, s, out);
+          if (g == 16) q8_bf16_rows<16>(mb, xs, K, wq, s, out);
+          else if (g == 32) q8_bf16_rows<32>(mb, xs, K, wq, s, out);
+          else q8_bf16_rows<0>(mb, xs, K, wq, s, out);  // g = K
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
