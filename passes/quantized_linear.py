@@ -16,11 +16,11 @@ The same for `dequantize_q8` -> `q8_linear`. Every product on CPU, at any token 
 op reads the blocks directly for up to `MAX_KERNEL_ROWS` (32 for q4, 128 for q8) rows,
 where a product is bound by reading its weight (decode; a CPU graph records the call),
 and dequantizes once into a dense GEMM for more (larger batches, a prefill: compute-
-bound). The choice is made per call, so the symbolic-size code serves batched decode
-from the blocks too. One site per linear
-layer: 4 per Llama layer. Runs before every pass that takes plain products
-(native_linear, gemv_to_reduction, packed_linear), which would otherwise take the
-dequantized weight for an ordinary one; with it off (`native_kernels=False`),
+bound); bf16 q8 on AVX512-BF16 reads the blocks at any count (`Q8_BF16_ROWS`). The
+choice is made per call, so the symbolic-size code serves batched decode from the blocks
+too. One site per linear layer: 4 per Llama layer. Runs before every pass that takes
+plain products (native_linear, gemv_to_reduction, packed_linear), which would otherwise
+take the dequantized weight for an ordinary one; with it off (`native_kernels=False`),
 `decompose_dequantize` hands the pair to Inductor.
 """
 

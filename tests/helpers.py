@@ -144,3 +144,16 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def hf_greedy_checked(hf, prompt: list[int], n: int, margin: float) -> tuple[list[int], int]:
+    """HF's greedy tokens and how many of them come before the first near tie."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    top2 = [s[0].float().topk(2).values for s in out.scores]
+    checked = next((i for i, v in enumerate(top2) if v[0] - v[1] < margin), n)
+    return out.sequences[0, len(prompt) :].tolist(), checked

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models import default_model
-from tests.helpers import hf_greedy, hf_logits, load_ours, packed_logits
+from tests.helpers import hf_greedy, hf_greedy_checked, hf_logits, load_ours, packed_logits
 
 pytestmark = pytest.mark.slow
 
@@ -73,20 +73,7 @@ PROMPTS = ["1, 2, 3, 4, 5, 6,", "The capital of France is", "Photosynthesis is t
 
 
 def _hf_bf16_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], int]:
-    return _hf_greedy_checked(hf, prompt, n, MARGIN)
-
-
-def _hf_greedy_checked(hf, prompt: list[int], n: int, margin: float) -> tuple[list[int], int]:
-    """HF's greedy tokens and how many of them come before the first near tie."""
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
-        )  # fmt: skip
-    top2 = [s[0].float().topk(2).values for s in out.scores]
-    checked = next((i for i, v in enumerate(top2) if v[0] - v[1] < margin), n)
-    return out.sequences[0, len(prompt) :].tolist(), checked
+    return hf_greedy_checked(hf, prompt, n, MARGIN)
 
 
 def test_benchmarked_bf16_config_matches_hf_bf16(default_model_dir, tmp_path):
@@ -158,7 +145,7 @@ def test_shipped_gguf_native_greedy_matches_hf_fp32(default_model_dir, hf_defaul
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
     prompts = [tok.encode(p) for p in GGUF_PROMPTS]
     hf_default.generation_config.eos_token_id = None
-    wanted = [_hf_greedy_checked(hf_default, p, 24, GGUF_MARGIN) for p in prompts]
+    wanted = [hf_greedy_checked(hf_default, p, 24, GGUF_MARGIN) for p in prompts]
     assert sum(checked for _, checked in wanted) >= 40, "near ties too early: nothing to check"
     # One Dynamo graph, cut at the 30 attentions into 61 pieces.
     with compilation_counter.expect(num_graphs_seen=1, num_piecewise_graphs_seen=61):

@@ -162,6 +162,23 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("group", [32, 16, 256])
+def test_q8_strips_write_bias_bf16_and_tail_rows(group):
+    """Enough rows for q8's strips of 16 weight rows (40 = two strips and 8 rows left to
+    the row product) with a bias and bf16 outputs: each output within fp32 sums of the
+    reference plus its own bf16 rounding, bias added once."""
+    g = torch.Generator().manual_seed(group)
+    rows, n, k = 21, 40, 256
+    w, scales = _q8_fields(g, n, k, group, group == 16)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    got = ops.q8_linear(x, w, scales, bias, torch.bfloat16).double()
+    values = quantized.dequantize_q8_ref(w, scales, torch.float64)
+    want = x.double() @ values.T + bias.double()
+    bound = (x.double().abs() @ values.abs().T) * 1e-5 + want.abs() * 2**-8 + 1e-6
+    assert bool(((got - want).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e-35])
 def test_q8_products_carry_non_finite_and_tiny_activations(bad):
     """An inf, a nan or a run of magnitudes near the float range's bottom in a row of x:
@@ -183,11 +200,13 @@ def test_q8_products_carry_non_finite_and_tiny_activations(bad):
 
 
 @pytest.mark.parametrize("k_quant", [False, True])
-def test_q8_dense_rows_keep_the_values_bits(k_quant):
-    """Beyond `MAX_KERNEL_ROWS` a bf16 q8 product is one bf16 GEMM over [x | x] and the
-    split [hi | lo] copy: the values to 16 bits, so the bf16 output is the exact product's
-    rounding but where the exact sum lies within ~2^-16 of a rounding boundary. Rounding
-    the values to bf16 instead misses ~43% of the outputs."""
+def test_q8_dense_rows_keep_the_values_bits(k_quant, monkeypatch):
+    """Beyond `MAX_KERNEL_ROWS` (where the kernel has no bf16 path; `Q8_BF16_ROWS` where it
+    has) a bf16 q8 product is one bf16 GEMM over [x | x] and the split [hi | lo] copy: the
+    values to 16 bits, so the bf16 output is the exact product's rounding but where the
+    exact sum lies within ~2^-16 of a rounding boundary. Rounding the values to bf16
+    instead misses ~43% of the outputs."""
+    monkeypatch.setattr(quantized, "Q8_BF16_ROWS", quantized.MAX_KERNEL_ROWS[8])
     g = torch.Generator().manual_seed(1)
     rows = quantized.MAX_KERNEL_ROWS[8] + 31
     fields = _q8_fields(g, 96, 576, 16 if k_quant else 32, k_quant)
@@ -346,14 +365,25 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tokenizer_dir):
-    """The engine on the GGUF file, compiled (quantized_linear at batch 1, Inductor's
-    fused dequantization for prefill) against eager, both bf16, on the same tokens."""
+@pytest.mark.parametrize("layers", ["q4_1", "q8_0"])
+def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir, tmp_path,
+                                           layers):  # fmt: skip
+    """The engine on a GGUF file, compiled (the quantized products recorded into CPU
+    graphs) against eager, both bf16, on the same tokens. Q8_0 layers with 9 prompts: the
+    q8 products' strips (8 rows and more) in prefill and in the batch of 16's graph, and
+    the tokens against HF fp32 on the file's dequantized weights up to the first near tie."""
     from runtime import LLM, SamplingParams
+    from tests.gguf_files import write_gguf
+    from tests.helpers import hf_greedy_checked
 
-    path = str(tiny_gguf[0])
+    if layers == "q4_1":
+        path = str(tiny_gguf[0])
+        prompts = [[5, 17, 33, 2], [40, 41, 42, 43, 44, 45, 46], [7]]
+    else:
+        path = str(tmp_path / "q8.gguf")
+        oracle = write_gguf(tmp_path / "q8.gguf", tiny_llama[1], {}, Q.Q8_0)
+        prompts = [[5 + i, 17, 33, 2 * i] for i in range(8)] + [[40, 41, 42, 43, 44, 45, 46]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = [[5, 17, 33, 2], [40, 41, 42, 43, 44, 45, 46], [7]]
     outs = []
     for eager in (True, False):
         llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128)
@@ -361,6 +391,11 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tokenizer_dir):
                                                                    use_tqdm=False)])  # fmt: skip
         del llm
     assert outs[0] == outs[1]
+    if layers == "q8_0":
+        wanted = [hf_greedy_checked(oracle, p, 12, 0.02) for p in prompts]
+        assert sum(checked for _, checked in wanted) >= 40, "near ties too early"
+        for got, (want, checked) in zip(outs[0], wanted):
+            assert got[:checked] == want[:checked]
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

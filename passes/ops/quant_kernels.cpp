@@ -56,6 +56,10 @@ inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
 
 // Up to 4 rows of x at a time against one weight row: MB accumulators of 16 lanes.
 constexpr int MB_MAX = 4;
+// q8's bf16 path takes 16 weight rows at a time from TILED_ROWS rows of x (below).
+constexpr int TILE_N = 16;
+constexpr int64_t TILED_ROWS = 8;
+constexpr int STRIP_MB = 8;  // rows of x a strip takes at a time (12: no faster, NOTES 49)
 
 #if defined(__AVX512F__)
 // Each thread streams its rows of blocks front to back; a prefetch 4 KB ahead keeps the
@@ -355,6 +359,89 @@ inline void q8_bf16_rows(int64_t mb, const bf16* const* xs, int64_t K, const int
   else if (mb == 2) row_product_q8_bf16<2, G>(xs, K, w, s, out);
   else row_product_q8_bf16<1, G>(xs, K, w, s, out);
 }
+
+// q8 for many rows (compute-bound): the row product above scales every run of every row.
+// Here 16 weight rows at a time (a strip) are widened to bf16 once into a scratch laid out
+// by pairs of k across the strip's rows ([K/2][16] pairs of bf16), so that `vdpbf16ps`
+// with a broadcast pair of x adds to 16 outputs at once and a group's 16 scales multiply
+// 16 outputs once a group: G/2 products and one multiply where the row product takes G/32
+// of each. The same exact products and fp32 sums.
+
+// r[j] <- the j-th 32-bit element of each of r[0..15] (a 16 x 16 transpose of pairs).
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // per 128-bit lane L: columns 4L .. 4L + 3, 4 rows
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int c = 0; c < 4; ++c) {
+      t[h + c] = _mm512_shuffle_i32x4(r[h + c], r[h + c + 4], 0x88);
+      t[h + c + 4] = _mm512_shuffle_i32x4(r[h + c], r[h + c + 4], 0xdd);
+    }
+  for (int c = 0; c < 8; ++c) {
+    r[c] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(t[c], t[c + 8], 0xdd);
+  }
+}
+
+// A strip's values as bf16 pairs [K/2][16] and its scales [groups][16] (fp32).
+template <typename S>
+inline void pack_strip(const int8_t* w, const S* s, int64_t K, int64_t groups, __m512i* wp,
+                       float* ds) {
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512i r[16];
+    for (int n = 0; n < TILE_N; ++n) r[n] = (__m512i)q8_run_bf16(w + n * K + k);
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(wp + k / 2 + j, r[j]);
+  }
+  for (int64_t gi = 0; gi < groups; ++gi)
+    for (int n = 0; n < TILE_N; ++n) ds[gi * TILE_N + n] = scale1(s[n * groups + gi]);
+}
+
+// out[m][0..15] = x[m] . the strip's rows, MB rows of x (bf16 [*, K]).
+template <int MB>
+inline void strip_rows(const bf16* x, int64_t K, const __m512i* wp, const float* ds,
+                       int64_t groups, float* out) {
+  __m512 acc[STRIP_MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t pairs = K / groups / 2;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 t[STRIP_MB];
+    for (int m = 0; m < MB; ++m) t[m] = _mm512_setzero_ps();
+    for (int64_t p = gi * pairs; p < (gi + 1) * pairs; ++p) {
+      const __m512bh w = (__m512bh)_mm512_load_si512(wp + p);
+      for (int m = 0; m < MB; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + 2 * p, 4);
+        t[m] = _mm512_dpbf16_ps(t[m], w, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(ds + gi * TILE_N);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(t[m], d, acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + m * TILE_N, acc[m]);
+}
+
+inline void strip_rows_mb(int64_t mb, const bf16* x, int64_t K, const __m512i* wp,
+                          const float* ds, int64_t groups, float* out) {
+  switch (mb) {
+    case 8: return strip_rows<8>(x, K, wp, ds, groups, out);
+    case 7: return strip_rows<7>(x, K, wp, ds, groups, out);
+    case 6: return strip_rows<6>(x, K, wp, ds, groups, out);
+    case 5: return strip_rows<5>(x, K, wp, ds, groups, out);
+    case 4: return strip_rows<4>(x, K, wp, ds, groups, out);
+    case 3: return strip_rows<3>(x, K, wp, ds, groups, out);
+    case 2: return strip_rows<2>(x, K, wp, ds, groups, out);
+    default: return strip_rows<1>(x, K, wp, ds, groups, out);
+  }
+}
 #define CC_BF16_PATH 1
 #else
 #define CC_BF16_PATH 0
@@ -370,6 +457,16 @@ inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n
     const int64_t at = (m0 + m) * N + n;
     if (flags & 2) static_cast<bf16*>(y)[at] = to_bf16(out[m] + b);
     else static_cast<float*>(y)[at] = out[m] + b;
+  }
+}
+
+// y[m0 + m, n0 + j] = out[m][j] (+ bias[n0 + j]) for a strip's 16 outputs of mb rows.
+inline void store_strip(void* y, int64_t flags, const void* bias, int64_t N, int64_t n0,
+                        int64_t m0, int64_t mb, const float* out) {
+  for (int64_t j = 0; j < 16; ++j) {
+    float col[STRIP_MB];
+    for (int64_t m = 0; m < mb; ++m) col[m] = out[m * 16 + j];
+    store(y, flags, bias, N, n0 + j, m0, mb, col);
   }
 }
 
@@ -399,8 +496,13 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
                           : Q4 && path == Path::bf16 ? K / 2 + K / 16 : 0;
-  float* xf = scratch(M * (K + per_row));
-  float* extra = xf + M * K;
+  const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
+  const int64_t groups = K / g;
+  const bool strips = !Q4 && path == Path::bf16 && M >= TILED_ROWS && N >= TILE_N;
+  // a strip's pairs ([K/2] vectors, 64-byte aligned), then its scales ([groups][16])
+  const int64_t strip_floats = strips ? K * 8 + groups * 16 + 16 : 0;
+  float* xf = scratch(M * (x_floats + per_row) + strip_floats);
+  float* extra = xf + M * x_floats;
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
 #if CC_INT8_PATH
   auto quant_row = [&](int64_t m) {
@@ -426,15 +528,37 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       run_sums(xm, K, base + K / 2, 32);
     }
 #endif
-  const auto [begin, end] = share(N);
-  const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+  int64_t tiled = 0;  // rows [0, tiled) of w go by strips
+#if CC_BF16_PATH
+  if (strips) {
+    tiled = N / TILE_N * TILE_N;
+    const auto [sb, se] = share(N / TILE_N);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(extra + M * per_row);
+    __m512i* wp = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
+    float* ds = reinterpret_cast<float*>(wp + K / 2);
+    for (int64_t strip = sb; strip < se; ++strip) {  // (chunks of x kept in L2: no faster)
+      const int64_t n0 = strip * TILE_N;
+      pack_strip(static_cast<const int8_t*>(w) + n0 * K, scales + n0 * groups, K, groups, wp,
+                 ds);
+      for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
+        float out[STRIP_MB * TILE_N];
+        const int64_t mb = M - m0 < STRIP_MB ? M - m0 : STRIP_MB;
+        strip_rows_mb(mb, static_cast<const bf16*>(x) + m0 * K, K, wp, ds, groups, out);
+        store_strip(y, flags, bias, N, n0, m0, mb, out);
+      }
+    }
+  }
+#endif
+  const auto [tb, te] = share(N - tiled);
+  const int64_t begin = tiled + tb, end = tiled + te;
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
     const S *s = scales + n * groups, *mn = Q4 ? mins + n * groups : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
-      const float* xm = xf + m0 * K;
+      const float* xm = xf + m0 * x_floats;
 #if CC_BF16_PATH
       if constexpr (!Q4) {
         if (path == Path::bf16) {  // x read as it is

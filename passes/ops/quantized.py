@@ -36,12 +36,13 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # dense GEMM. With bf16 x the dense path overtakes q4 from ~32 rows (NOTES 46) and rounds
 # each value to bf16 there (Q4_1's perplexity: unchanged). Q8_0's values have up to 19
 # bits, and rounding them moved 43% of a product's outputs off the exact one's rounding,
-# so q8 multiplies [x | x] by the split [hi | lo] copy (16 bits, twice the GEMM's work).
-# Written afresh each call, that copy beats the kernel in a single product from ~48 rows,
-# but not in 64-row decode steps (NOTES 47), so q8 keeps the kernel up to 128 rows and
-# the copy serves prefill chunks. Never below 16, the CPU graphs' largest batch, whose
-# replays take team calls only.
+# so q8's dense path multiplies [x | x] by a split [hi | lo] copy (16 bits, twice the
+# GEMM's work). Where the kernel multiplies q8's integers in bf16 (AVX512-BF16), its strips
+# of 16 weight rows beat that GEMM at every row count measured, 64-2048 (NOTES 49), so
+# bf16 q8 products read the blocks at any size there (`Q8_BF16_ROWS`). Never below 16, the
+# CPU graphs' largest batch, whose replays take team calls only.
 MAX_KERNEL_ROWS = {4: 32, 8: 128}
+Q8_BF16_ROWS: int | None = None  # None: no limit
 
 
 def dequantize_q4_ref(
@@ -129,12 +130,19 @@ def dequantize_q8(w, scales, dtype):
     return dequantize_q8_ref(w, scales, dtype) if out is None else out
 
 
+@functools.cache
 def kernel_path() -> str:
     """How the kernel takes bf16 activations here: "bf16" (exact: AVX512-BF16), "int8"
     (quantized per run of 32: AVX512-VNNI), "fp32" (converted: AVX-512) or "portable"."""
     lib = _kernel()
     level = 0 if lib is None else int(lib.quant_kernels_vectorized())
     return ("portable", "fp32", "int8", "bf16")[level]
+
+
+def _few_enough_rows(x: torch.Tensor, q8: bool) -> bool:
+    if q8 and x.dtype == torch.bfloat16 and x.shape[-1] % 64 == 0 and kernel_path() == "bf16":
+        return Q8_BF16_ROWS is None or x.shape[0] <= Q8_BF16_ROWS
+    return x.shape[0] <= MAX_KERNEL_ROWS[8 if q8 else 4]
 
 
 def _product_call(
@@ -147,7 +155,7 @@ def _product_call(
     floats = (torch.float32, torch.bfloat16)
     if (
         x.dim() != 2
-        or x.shape[0] > MAX_KERNEL_ROWS[4 if len(fields) == 2 else 8]
+        or not _few_enough_rows(x, len(fields) == 1)
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)
