@@ -16,7 +16,7 @@ The same for `dequantize_q8` -> `q8_linear`. Every product on CPU, at any token 
 op reads the blocks directly for up to `MAX_KERNEL_ROWS` (32 for q4, 128 for q8) rows,
 where a product is bound by reading its weight (decode; a CPU graph records the call),
 and dequantizes once into a dense GEMM for more (larger batches, a prefill: compute-
-bound); bf16 q8 on AVX512-BF16 reads the blocks at any count (`Q8_BF16_ROWS`). The
+bound); with AVX512-BF16 bf16 products read them further (`BF16_ROWS`: q4 64, q8 all). The
 choice is made per call, so the symbolic-size code serves batched decode from the blocks
 too. One site per linear layer: 4 per Llama layer. Runs before every pass that takes
 plain products (native_linear, gemv_to_reduction, packed_linear), which would otherwise

@@ -162,18 +162,25 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("group", [32, 16, 256])
-def test_q8_strips_write_bias_bf16_and_tail_rows(group):
-    """Enough rows for q8's strips of 16 weight rows (40 = two strips and 8 rows left to
+@pytest.mark.parametrize("fmt", ["q8", "q6_k", "int8", "q4", "q4_k"])
+def test_strips_write_bias_bf16_and_tail_rows(fmt):
+    """Enough rows for the strips of 16 weight rows (40 = two strips and 8 rows left to
     the row product) with a bias and bf16 outputs: each output within fp32 sums of the
-    reference plus its own bf16 rounding, bias added once."""
-    g = torch.Generator().manual_seed(group)
+    reference plus its own bf16 rounding, bias added once, q4's mins through the sums of
+    x."""
+    g = torch.Generator().manual_seed(len(fmt))
     rows, n, k = 21, 40, 256
-    w, scales = _q8_fields(g, n, k, group, group == 16)
     x = torch.randn(rows, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
-    got = ops.q8_linear(x, w, scales, bias, torch.bfloat16).double()
-    values = quantized.dequantize_q8_ref(w, scales, torch.float64)
+    if fmt.startswith("q4"):
+        fields = _q4_fields(g, n, k, k_quant=fmt == "q4_k")
+        got = ops.q4_linear(x, *fields, bias, torch.bfloat16).double()
+        values = quantized.dequantize_q4_ref(*fields, torch.float64)
+    else:
+        group = {"q8": 32, "q6_k": 16, "int8": k}[fmt]
+        fields = _q8_fields(g, n, k, group, fmt == "q6_k")
+        got = ops.q8_linear(x, *fields, bias, torch.bfloat16).double()
+        values = quantized.dequantize_q8_ref(*fields, torch.float64)
     want = x.double() @ values.T + bias.double()
     bound = (x.double().abs() @ values.abs().T) * 1e-5 + want.abs() * 2**-8 + 1e-6
     assert bool(((got - want).abs() <= bound).all())
@@ -201,12 +208,12 @@ def test_q8_products_carry_non_finite_and_tiny_activations(bad):
 
 @pytest.mark.parametrize("k_quant", [False, True])
 def test_q8_dense_rows_keep_the_values_bits(k_quant, monkeypatch):
-    """Beyond `MAX_KERNEL_ROWS` (where the kernel has no bf16 path; `Q8_BF16_ROWS` where it
+    """Beyond `MAX_KERNEL_ROWS` (where the kernel has no bf16 path; `BF16_ROWS` where it
     has) a bf16 q8 product is one bf16 GEMM over [x | x] and the split [hi | lo] copy: the
     values to 16 bits, so the bf16 output is the exact product's rounding but where the
     exact sum lies within ~2^-16 of a rounding boundary. Rounding the values to bf16
     instead misses ~43% of the outputs."""
-    monkeypatch.setattr(quantized, "Q8_BF16_ROWS", quantized.MAX_KERNEL_ROWS[8])
+    monkeypatch.setitem(quantized.BF16_ROWS, 8, quantized.MAX_KERNEL_ROWS[8])
     g = torch.Generator().manual_seed(1)
     rows = quantized.MAX_KERNEL_ROWS[8] + 31
     fields = _q8_fields(g, 96, 576, 16 if k_quant else 32, k_quant)

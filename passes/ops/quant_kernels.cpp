@@ -364,8 +364,8 @@ inline void q8_bf16_rows(int64_t mb, const bf16* const* xs, int64_t K, const int
   else row_product_q8_bf16<1, G>(xs, K, w, s, out);
 }
 
-// q8 for many rows (compute-bound): the row product above scales every run of every row.
-// Here 16 weight rows at a time (a strip) are widened to bf16 once into a scratch laid out
+// Many rows (compute-bound): the row products above scale every run of every row. Here
+// 16 weight rows at a time (a strip) are widened to bf16 once into a scratch laid out
 // by pairs of k across the strip's rows ([K/2][16] pairs of bf16), so that `vdpbf16ps`
 // with a broadcast pair of x adds to 16 outputs at once and a group's 16 scales multiply
 // 16 outputs once a group: G/2 products and one multiply where the row product takes G/32
@@ -395,23 +395,47 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
-// A strip's values as bf16 pairs [K/2][16] and its scales [groups][16] (fp32).
-template <typename S>
-inline void pack_strip(const int8_t* w, const S* s, int64_t K, int64_t groups, __m512i* wp,
-                       float* ds) {
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512i r[16];
-    for (int n = 0; n < TILE_N; ++n) r[n] = (__m512i)q8_run_bf16(w + n * K + k);
-    transpose16(r);
-    for (int j = 0; j < 16; ++j) _mm512_store_si512(wp + k / 2 + j, r[j]);
-  }
-  for (int64_t gi = 0; gi < groups; ++gi)
-    for (int n = 0; n < TILE_N; ++n) ds[gi * TILE_N + n] = scale1(s[n * groups + gi]);
+// Where a strip lives in a thread's scratch: its values as bf16 pairs [K/2][16] (64-byte
+// aligned), its scales and (q4) mins [groups][16] in fp32.
+struct Strip {
+  __m512i* wp;
+  float* ds;
+  float* ms;
+};
+
+// A run of 32 q4 values (byte j: value j in its low nibble, j + 16 in its high one) as
+// bf16 in value order: small integers, exact.
+inline __m512bh q4_run_bf16(const uint8_t* w) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// out[m][0..15] = x[m] . the strip's rows, MB rows of x (bf16 [*, K]).
-template <int MB>
-inline void strip_rows(const bf16* x, int64_t K, const __m512i* wp, const float* ds,
+template <bool Q4, typename S>
+inline void pack_strip(const void* w, const S* s, const S* mn, int64_t K, int64_t groups,
+                       Strip st) {
+  const uint8_t* wb = static_cast<const uint8_t*>(w);
+  const int64_t row_bytes = Q4 ? K / 2 : K;
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512i r[16];
+    for (int n = 0; n < TILE_N; ++n)
+      r[n] = Q4 ? (__m512i)q4_run_bf16(wb + n * row_bytes + k / 2)
+                : (__m512i)q8_run_bf16(reinterpret_cast<const int8_t*>(wb + n * row_bytes + k));
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(st.wp + k / 2 + j, r[j]);
+  }
+  for (int64_t gi = 0; gi < groups; ++gi)
+    for (int n = 0; n < TILE_N; ++n) {
+      st.ds[gi * TILE_N + n] = scale1(s[n * groups + gi]);
+      if constexpr (Q4) st.ms[gi * TILE_N + n] = scale1(mn[n * groups + gi]);
+    }
+}
+
+// out[m][0..15] = x[m] . the strip's rows, MB rows of x (bf16 [*, K]); q4 adds each
+// group's min times the group's sum of x: sum_j (d q_j + m) x_j = d sum_j q_j x_j + m X.
+template <int MB, bool Q4>
+inline void strip_rows(const bf16* x, const float* const* sums, int64_t K, Strip st,
                        int64_t groups, float* out) {
   __m512 acc[STRIP_MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -420,30 +444,36 @@ inline void strip_rows(const bf16* x, int64_t K, const __m512i* wp, const float*
     __m512 t[STRIP_MB];
     for (int m = 0; m < MB; ++m) t[m] = _mm512_setzero_ps();
     for (int64_t p = gi * pairs; p < (gi + 1) * pairs; ++p) {
-      const __m512bh w = (__m512bh)_mm512_load_si512(wp + p);
+      const __m512bh w = (__m512bh)_mm512_load_si512(st.wp + p);
       for (int m = 0; m < MB; ++m) {
         int32_t pair;
         std::memcpy(&pair, x + m * K + 2 * p, 4);
         t[m] = _mm512_dpbf16_ps(t[m], w, (__m512bh)_mm512_set1_epi32(pair));
       }
     }
-    const __m512 d = _mm512_loadu_ps(ds + gi * TILE_N);
+    const __m512 d = _mm512_loadu_ps(st.ds + gi * TILE_N);
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(t[m], d, acc[m]);
+    if constexpr (Q4) {
+      const __m512 mins = _mm512_loadu_ps(st.ms + gi * TILE_N);
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(sums[m][gi]), acc[m]);
+    }
   }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + m * TILE_N, acc[m]);
 }
 
-inline void strip_rows_mb(int64_t mb, const bf16* x, int64_t K, const __m512i* wp,
-                          const float* ds, int64_t groups, float* out) {
+template <bool Q4>
+inline void strip_rows_mb(int64_t mb, const bf16* x, const float* const* sums, int64_t K,
+                          Strip st, int64_t groups, float* out) {
   switch (mb) {
-    case 8: return strip_rows<8>(x, K, wp, ds, groups, out);
-    case 7: return strip_rows<7>(x, K, wp, ds, groups, out);
-    case 6: return strip_rows<6>(x, K, wp, ds, groups, out);
-    case 5: return strip_rows<5>(x, K, wp, ds, groups, out);
-    case 4: return strip_rows<4>(x, K, wp, ds, groups, out);
-    case 3: return strip_rows<3>(x, K, wp, ds, groups, out);
-    case 2: return strip_rows<2>(x, K, wp, ds, groups, out);
-    default: return strip_rows<1>(x, K, wp, ds, groups, out);
+    case 8: return strip_rows<8, Q4>(x, sums, K, st, groups, out);
+    case 7: return strip_rows<7, Q4>(x, sums, K, st, groups, out);
+    case 6: return strip_rows<6, Q4>(x, sums, K, st, groups, out);
+    case 5: return strip_rows<5, Q4>(x, sums, K, st, groups, out);
+    case 4: return strip_rows<4, Q4>(x, sums, K, st, groups, out);
+    case 3: return strip_rows<3, Q4>(x, sums, K, st, groups, out);
+    case 2: return strip_rows<2, Q4>(x, sums, K, st, groups, out);
+    default: return strip_rows<1, Q4>(x, sums, K, st, groups, out);
   }
 }
 #define CC_BF16_PATH 1
@@ -502,9 +532,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
                           : Q4 && path == Path::bf16 ? K / 2 + K / 16 : 0;
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
   const int64_t groups = K / g;
-  const bool strips = !Q4 && path == Path::bf16 && M >= TILED_ROWS && N >= TILE_N;
-  // a strip's pairs ([K/2] vectors, 64-byte aligned), then its scales ([groups][16])
-  const int64_t strip_floats = strips ? K * 8 + groups * 16 + 16 : 0;
+  const bool strips = path == Path::bf16 && M >= TILED_ROWS && N >= TILE_N;
+  const int64_t strip_floats = strips ? K * 8 + 2 * groups * TILE_N + 16 : 0;  // a Strip
   float* xf = scratch(M * (x_floats + per_row) + strip_floats);
   float* extra = xf + M * x_floats;
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
@@ -539,16 +568,20 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     tiled = N / TILE_N * TILE_N;
     const auto [sb, se] = share(N / TILE_N);
     const uintptr_t at = reinterpret_cast<uintptr_t>(extra + M * per_row);
-    __m512i* wp = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
-    float* ds = reinterpret_cast<float*>(wp + K / 2);
+    Strip st;
+    st.wp = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
+    st.ds = reinterpret_cast<float*>(st.wp + K / 2);
+    st.ms = st.ds + groups * TILE_N;
     for (int64_t strip = sb; strip < se; ++strip) {  // (chunks of x kept in L2: no faster)
       const int64_t n0 = strip * TILE_N;
-      pack_strip(static_cast<const int8_t*>(w) + n0 * K, scales + n0 * groups, K, groups, wp,
-                 ds);
+      pack_strip<Q4>(static_cast<const char*>(w) + n0 * row_bytes, scales + n0 * groups,
+                     Q4 ? mins + n0 * groups : nullptr, K, groups, st);
       for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
         float out[STRIP_MB * TILE_N];
+        const float* sums[STRIP_MB];
         const int64_t mb = M - m0 < STRIP_MB ? M - m0 : STRIP_MB;
-        strip_rows_mb(mb, static_cast<const bf16*>(x) + m0 * K, K, wp, ds, groups, out);
+        for (int64_t m = 0; m < mb; ++m) sums[m] = Q4 ? bf16_row(m0 + m).sum : nullptr;
+        strip_rows_mb<Q4>(mb, static_cast<const bf16*>(x) + m0 * K, sums, K, st, groups, out);
         store_strip(y, flags, bias, N, n0, m0, mb, out);
       }
     }

@@ -33,16 +33,16 @@ from passes.native_calls import NativeCall
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # Rows up to which the products read the blocks directly (exact, bound by reading the
 # weight); more rows are compute-bound and dequantize once (this file's kernel) into a
-# dense GEMM. With bf16 x the dense path overtakes q4 from ~32 rows (NOTES 46) and rounds
-# each value to bf16 there (Q4_1's perplexity: unchanged). Q8_0's values have up to 19
-# bits, and rounding them moved 43% of a product's outputs off the exact one's rounding,
-# so q8's dense path multiplies [x | x] by a split [hi | lo] copy (16 bits, twice the
-# GEMM's work). Where the kernel multiplies q8's integers in bf16 (AVX512-BF16), its strips
-# of 16 weight rows beat that GEMM at every row count measured, 64-2048 (NOTES 49), so
-# bf16 q8 products read the blocks at any size there (`Q8_BF16_ROWS`). Never below 16, the
-# CPU graphs' largest batch, whose replays take team calls only.
+# dense GEMM. With bf16 x the dense path rounds each q4 value to bf16 (Q4_1's perplexity:
+# unchanged, NOTES 46). Q8_0's values have up to 19 bits, and rounding them moved 43% of a
+# product's outputs off the exact one's rounding, so q8's dense path multiplies [x | x]
+# by a split [hi | lo] copy (16 bits, twice the GEMM's work). Where the kernel multiplies
+# the blocks' integers in bf16 (AVX512-BF16, `BF16_ROWS`), its strips of 16 weight rows
+# (8 rows of x and more) beat the dense path for q4 up to 64 rows (1.09x there, 0.86x at
+# 128) and for q8 at every row count measured, 64-2048 (1.44-1.97x): NOTES 49. Never
+# below 16, the CPU graphs' largest batch, whose replays take team calls only.
 MAX_KERNEL_ROWS = {4: 32, 8: 128}
-Q8_BF16_ROWS: int | None = None  # None: no limit
+BF16_ROWS: dict[int, int | None] = {4: 64, 8: None}  # None: no limit
 
 
 def dequantize_q4_ref(
@@ -139,10 +139,15 @@ def kernel_path() -> str:
     return ("portable", "fp32", "int8", "bf16")[level]
 
 
-def _few_enough_rows(x: torch.Tensor, q8: bool) -> bool:
-    if q8 and x.dtype == torch.bfloat16 and x.shape[-1] % 64 == 0 and kernel_path() == "bf16":
-        return Q8_BF16_ROWS is None or x.shape[0] <= Q8_BF16_ROWS
-    return x.shape[0] <= MAX_KERNEL_ROWS[8 if q8 else 4]
+def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
+    k = x.shape[-1]
+    bf16_groups = (32,) if bits == 4 else (32, 16, k)  # quant_kernels.cpp's `choose`
+    if x.dtype == torch.bfloat16 and k % 64 == 0 and group in bf16_groups \
+            and kernel_path() == "bf16":  # fmt: skip
+        limit = BF16_ROWS[bits]
+    else:
+        limit = MAX_KERNEL_ROWS[bits]
+    return limit is None or x.shape[0] <= limit
 
 
 def _product_call(
@@ -151,11 +156,13 @@ def _product_call(
 ) -> NativeCall | None:  # fmt: skip
     """The kernel's call for y = x @ dequantize(w, *fields)^T (+ bias), or None where it
     does not apply (a GPU, another dtype, a strided input, many rows, no compiler)."""
+    groups, bits = fields[0].shape[-1], 4 if len(fields) == 2 else 8
     tensors = (x, w, *fields, y) + (() if bias is None else (bias,))
     floats = (torch.float32, torch.bfloat16)
     if (
         x.dim() != 2
-        or not _few_enough_rows(x, len(fields) == 1)
+        or x.shape[-1] % groups
+        or not _few_enough_rows(x, bits, x.shape[-1] // groups)
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)
@@ -166,7 +173,7 @@ def _product_call(
     ):
         return None
     m, k = x.shape
-    n, groups = w.shape[0], fields[0].shape[-1]
+    n = w.shape[0]
     flags = int(x.dtype == torch.bfloat16) | 2 * int(y.dtype == torch.bfloat16)
     flags |= 4 * int(fields[0].dtype == torch.float32)
     args = (x, flags, w, *fields, 0 if bias is None else bias, y, m, n, k, k // groups)
