@@ -118,7 +118,8 @@ def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
 
 @testing.settings(max_examples=20)
 @given(rows=st.integers(1, 16), n=st.integers(1, 40), runs=st.sampled_from([2, 4, 18]),
-       fmt=st.sampled_from(["q4", "q4_k", "q8", "q6_k", "int8"]), outliers=st.booleans(),
+       fmt=st.sampled_from(["q4", "q4_k", "q4_g128", "q8", "q6_k", "int8"]),
+       outliers=st.booleans(),
        seed=st.integers(0, 2**16))  # fmt: skip
 def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers, seed):
     """bf16 activations: on AVX512-BF16 the product is exact but for fp32 sums and the
@@ -128,15 +129,15 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     run. q4's bf16 path takes its +128 offset off per group (below), which cancels:
     outliers (a channel ~1000x the rest, as real models have) show that term; q8's
     multiplies the integers themselves and has none. q8 groups: Q8_0's 32, Q6_K's 16 and
-    int8's whole row."""
+    int8's whole row; q4 groups of 32 and of 128 (int4_g128)."""
     g = torch.Generator().manual_seed(seed)
-    k = 32 * runs
+    k = 32 * runs if fmt != "q4_g128" else 128 * max(1, runs // 4)
     x = torch.randn(rows, k, generator=g)
     if outliers:  # a channel ~1000x the rest, as real models' activations have
         x[:, 5::37] *= 1000
     x = x.bfloat16()
     if fmt.startswith("q4"):
-        fields = _q4_fields(g, n, k, k_quant=fmt == "q4_k")
+        fields = _q4_fields(g, n, k, 128 if fmt == "q4_g128" else 32, fmt == "q4_k")
         got = ops.q4_linear(x, *fields, None, torch.float32)
         w = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
@@ -162,7 +163,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q6_k", "int8", "q4", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q8", "q6_k", "int8", "q4", "q4_k", "q4_g128"])
 def test_strips_write_bias_bf16_and_tail_rows(fmt):
     """Enough rows for the strips of 16 weight rows (40 = two strips and 8 rows left to
     the row product) with a bias and bf16 outputs: each output within fp32 sums of the
@@ -173,7 +174,7 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt):
     x = torch.randn(rows, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
     if fmt.startswith("q4"):
-        fields = _q4_fields(g, n, k, k_quant=fmt == "q4_k")
+        fields = _q4_fields(g, n, k, 128 if fmt == "q4_g128" else 32, fmt == "q4_k")
         got = ops.q4_linear(x, *fields, bias, torch.bfloat16).double()
         values = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
@@ -405,13 +406,19 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
             assert got[:checked] == want[:checked]
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
-def test_quantization_at_load_matches_hf_on_the_same_rounding(tiny_llama, name):
-    """`quantization="int8" | "int4"`: our logits equal HF's with every linear layer's
-    weight replaced by its quantize-dequantize round trip."""
+@pytest.mark.parametrize("name", ["int8", "int4", "int4_g128"])
+def test_quantization_at_load_matches_hf_on_the_same_rounding(tiny_llama, tmp_path, name):
+    """`quantization="int8" | "int4" | "int4_g128"`: our logits equal HF's with every
+    linear layer's weight replaced by its quantize-dequantize round trip (groups of 128 on
+    a model whose rows are 128 and 256 wide)."""
     import copy
 
+    from tests.helpers import llama_config, save_checkpoint
+
     folder, hf = tiny_llama
+    if name == "int4_g128":
+        folder = tmp_path / "wide"
+        hf = save_checkpoint(folder, llama_config(hidden_size=128, intermediate_size=256))
     config = quantization_config(name)
     model, engine_config = load_ours(folder, quant_config=config)
     assert model.model.layers[0].mlp.down_proj.quant_format == AT_LOAD[name]
@@ -437,3 +444,13 @@ def test_llm_refuses_quantization_that_does_not_apply(tiny_gguf, tiny_llama):
         build_engine_config(str(tiny_llama[0]), quantization="gguf")
     with pytest.raises(ValueError, match="not supported"):
         build_engine_config(str(tiny_llama[0]), quantization="awq")
+
+
+def test_quantization_whose_groups_do_not_divide_a_layer_is_refused_up_front(tiny_llama):
+    """int4 in groups of 128 on a model whose rows are 64 or 128 wide: a ValueError that
+    names the first layer it cannot hold and what to use, before any weight is read."""
+    from runtime import LLM
+
+    with pytest.raises(ValueError, match=r"'int4_g128' cannot hold model\.layers\.0\.self_attn"
+                                         r"\.qkv_proj .*groups of 128.*'int4'"):  # fmt: skip
+        LLM(str(tiny_llama[0]), quantization="int4_g128", max_model_len=64)

@@ -82,6 +82,15 @@ class LinearBase(nn.Module):
 
     def _make_params(self, out_features: int, in_features: int) -> None:
         fmt = self.quant_config.format_for(self.prefix) if self.quant_config else None
+        if fmt is not None and self.quant_config.quantize_at_load:
+            try:  # refused before any weight is read, not when this layer's arrives
+                fmt.fields(out_features, in_features)
+            except ValueError as e:
+                raise ValueError(
+                    f"quantization={self.quant_config.name!r} cannot hold {self.prefix} "
+                    f"([{out_features}, {in_features}] on this rank): {e}; use a format "
+                    "whose groups divide it (e.g. 'int4', groups of 32, or 'int8')"
+                ) from None
         if fmt is not None and not self.quant_config.quantize_at_load:
             make_quantized_params(self, fmt, out_features, in_features, self.weight_loader)
             self.quant_format = fmt

@@ -59,6 +59,13 @@ constexpr int MB_MAX = 4;
 // q8's bf16 path takes 16 weight rows at a time from TILED_ROWS rows of x (below).
 constexpr int TILE_N = 16;
 constexpr int64_t TILED_ROWS = 8;
+// log2 of q4's runs a group (bf16 path: 1, 2, 4 ... 16).
+inline int runs_shift(int64_t g) {
+  int shift = 0;
+  while ((32 << shift) < g) ++shift;
+  return shift;
+}
+
 constexpr int STRIP_MB = 8;  // rows of x a strip takes at a time (12: no faster, NOTES 49)
 
 #if defined(__AVX512F__)
@@ -257,9 +264,19 @@ inline void reorder_pairs(const bf16* x, int64_t K, bf16* xp) {
   }
 }
 
+// 16 runs' scales from their groups' (2^shift runs a group; 16 runs start on a group).
+template <typename S>
+inline __m512 run_scales(const S* s, int64_t r0, int64_t n, int shift) {
+  const int64_t groups = (n + (1 << shift) - 1) >> shift;
+  const __m512 g = scales16(s + (r0 >> shift), __mmask16((1u << groups) - 1));
+  if (shift == 0) return g;
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_permutexvar_ps(_mm512_srli_epi32(iota, shift), g);
+}
+
 template <int MB, typename S>
 inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w,
-                                const S* s, const S* mn, float* out) {
+                                const S* s, const S* mn, int shift, float* out) {
   __m512 acc[MB_MAX], mins[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
   const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
@@ -267,9 +284,8 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
   for (int64_t r0 = 0; r0 < runs; r0 += 16) {
     const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
     const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 d = scales16(s + r0, live);
-    const __m512 m_eff = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f),
-                                          scales16(mn + r0, live));
+    const __m512 d = run_scales(s, r0, n, shift);
+    const __m512 m_eff = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), run_scales(mn, r0, n, shift));
     for (int m = 0; m < MB; ++m)
       mins[m] = _mm512_fmadd_ps(m_eff, _mm512_maskz_loadu_ps(live, rows[m].sum + r0), mins[m]);
     for (int64_t p = 0; p < n; p += 2) {  // a pair of runs: lanes 0-7 and 8-15
@@ -425,10 +441,12 @@ inline void pack_strip(const void* w, const S* s, const S* mn, int64_t K, int64_
     transpose16(r);
     for (int j = 0; j < 16; ++j) _mm512_store_si512(st.wp + k / 2 + j, r[j]);
   }
-  for (int64_t gi = 0; gi < groups; ++gi)
+  // q4: a scale and min per run of 32 (its group's), as the rows' sums of x come per run
+  const int64_t entries = Q4 ? K / 32 : groups, shift = Q4 ? runs_shift(K / groups) : 0;
+  for (int64_t e = 0; e < entries; ++e)
     for (int n = 0; n < TILE_N; ++n) {
-      st.ds[gi * TILE_N + n] = scale1(s[n * groups + gi]);
-      if constexpr (Q4) st.ms[gi * TILE_N + n] = scale1(mn[n * groups + gi]);
+      st.ds[e * TILE_N + n] = scale1(s[n * groups + (e >> shift)]);
+      if constexpr (Q4) st.ms[e * TILE_N + n] = scale1(mn[n * groups + (e >> shift)]);
     }
 }
 
@@ -511,12 +529,13 @@ enum class Path { fp32, bf16, int8 };
 
 inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
   if (!bf || K % 64) return Path::fp32;
-  if (!q4 && (g == 16 || g == K)) return CC_BF16_PATH ? Path::bf16 : Path::fp32;
-  if (g != 32) return Path::fp32;
-  if (CC_BF16_PATH) return Path::bf16;
-  if (CC_INT8_PATH) return Path::int8;
+  const bool bf16_groups = q4 ? g >= 32 && g <= 512 && (g & (g - 1)) == 0  // runs_shift
+                              : g == 32 || g == 16 || g == K;
+  if (CC_BF16_PATH && bf16_groups) return Path::bf16;
+  if (CC_INT8_PATH && g == 32) return Path::int8;
   return Path::fp32;
 }
+
 
 // The row products are templates on a block's row count (accumulators in registers), so
 // each path dispatches on mb itself: one generic lambda doing it for all four cost the
@@ -533,7 +552,9 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
   const int64_t groups = K / g;
   const bool strips = path == Path::bf16 && M >= TILED_ROWS && N >= TILE_N;
-  const int64_t strip_floats = strips ? K * 8 + 2 * groups * TILE_N + 16 : 0;  // a Strip
+  const int64_t strip_groups = Q4 ? K / 32 : groups;  // q4's strips scale per run
+  const int shift = runs_shift(g);  // q4's runs a group, as a shift
+  const int64_t strip_floats = strips ? K * 8 + 2 * strip_groups * TILE_N + 16 : 0;
   float* xf = scratch(M * (x_floats + per_row) + strip_floats);
   float* extra = xf + M * x_floats;
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
@@ -571,7 +592,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     Strip st;
     st.wp = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
     st.ds = reinterpret_cast<float*>(st.wp + K / 2);
-    st.ms = st.ds + groups * TILE_N;
+    st.ms = st.ds + strip_groups * TILE_N;
     for (int64_t strip = sb; strip < se; ++strip) {  // (chunks of x kept in L2: no faster)
       const int64_t n0 = strip * TILE_N;
       pack_strip<Q4>(static_cast<const char*>(w) + n0 * row_bytes, scales + n0 * groups,
@@ -581,7 +602,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
         const float* sums[STRIP_MB];
         const int64_t mb = M - m0 < STRIP_MB ? M - m0 : STRIP_MB;
         for (int64_t m = 0; m < mb; ++m) sums[m] = Q4 ? bf16_row(m0 + m).sum : nullptr;
-        strip_rows_mb<Q4>(mb, static_cast<const bf16*>(x) + m0 * K, sums, K, st, groups, out);
+        strip_rows_mb<Q4>(mb, static_cast<const bf16*>(x) + m0 * K, sums, K, st, strip_groups,
+                          out);
         store_strip(y, flags, bias, N, n0, m0, mb, out);
       }
     }
@@ -614,10 +636,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Bf16Row rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          if (mb == 4) row_product_q4_bf16<4>(rm, K, wq, s, mn, out);
-          else if (mb == 3) row_product_q4_bf16<3>(rm, K, wq, s, mn, out);
-          else if (mb == 2) row_product_q4_bf16<2>(rm, K, wq, s, mn, out);
-          else row_product_q4_bf16<1>(rm, K, wq, s, mn, out);
+          if (mb == 4) row_product_q4_bf16<4>(rm, K, wq, s, mn, shift, out);
+          else if (mb == 3) row_product_q4_bf16<3>(rm, K, wq, s, mn, shift, out);
+          else if (mb == 2) row_product_q4_bf16<2>(rm, K, wq, s, mn, shift, out);
+          else row_product_q4_bf16<1>(rm, K, wq, s, mn, shift, out);
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }

@@ -141,7 +141,7 @@ def kernel_path() -> str:
 
 def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
     k = x.shape[-1]
-    bf16_groups = (32,) if bits == 4 else (32, 16, k)  # quant_kernels.cpp's `choose`
+    bf16_groups = (32, 64, 128, 256, 512) if bits == 4 else (32, 16, k)  # the kernel's `choose`
     if x.dtype == torch.bfloat16 and k % 64 == 0 and group in bf16_groups \
             and kernel_path() == "bf16":  # fmt: skip
         limit = BF16_ROWS[bits]
