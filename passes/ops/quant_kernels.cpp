@@ -523,19 +523,19 @@ inline void store_strip(void* y, int64_t flags, const void* bias, int64_t N, int
 }
 
 // Which path a call takes for bf16 activations: the exact bf16 path where AVX512-BF16
-// builds (q4: groups of 32; q8: groups of 32, 16 or the whole row), else for groups of 32
-// the integer one (AVX512-VNNI; it cost Q8_0 1.5% perplexity: NOTES 45); otherwise fp32.
+// builds (q4: groups of 32-512 values, powers of two, so that 16 runs start on a group;
+// q8: groups of 32, 16 or the whole row), else for groups of 32 the integer one
+// (AVX512-VNNI; it cost Q8_0 1.5% perplexity: NOTES 45); otherwise fp32.
 enum class Path { fp32, bf16, int8 };
 
 inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
   if (!bf || K % 64) return Path::fp32;
-  const bool bf16_groups = q4 ? g >= 32 && g <= 512 && (g & (g - 1)) == 0  // runs_shift
+  const bool bf16_groups = q4 ? g >= 32 && g <= 512 && (g & (g - 1)) == 0
                               : g == 32 || g == 16 || g == K;
   if (CC_BF16_PATH && bf16_groups) return Path::bf16;
   if (CC_INT8_PATH && g == 32) return Path::int8;
   return Path::fp32;
 }
-
 
 // The row products are templates on a block's row count (accumulators in registers), so
 // each path dispatches on mb itself: one generic lambda doing it for all four cost the
