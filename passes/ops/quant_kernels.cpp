@@ -12,8 +12,9 @@
 // Three paths. fp32 activations: every value dequantized in fp32 exactly as the reference
 // does (scale * q is exact, one rounding for the min), products summed in fp32. bf16
 // activations with AVX512-BF16: exact products of the weights' integers (q4's nibbles, q8's
-// bytes: both exact in bf16) and the activations, summed in fp32 (below). Without AVX512-BF16 but with AVX512-VNNI: activations quantized to int8 per
-// run of 32, as llama.cpp does (a bound tested in tests/test_quantized.py).
+// bytes: both exact in bf16) and the activations, summed in fp32 (below). Without
+// AVX512-BF16 but with AVX512-VNNI: activations quantized to int8 per run of 32, as
+// llama.cpp does (a bound tested in tests/test_quantized.py).
 //
 // Like layer_kernels.cpp, each `*_team` function runs on every thread of a parallel region
 // and takes its share of the weight rows (one sequential weight stream a thread), so a CPU
@@ -56,9 +57,11 @@ inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
 
 // Up to 4 rows of x at a time against one weight row: MB accumulators of 16 lanes.
 constexpr int MB_MAX = 4;
-// q8's bf16 path takes 16 weight rows at a time from TILED_ROWS rows of x (below).
+// The bf16 paths take 16 weight rows at a time (strips, below) from TILED_ROWS_* rows of x.
 constexpr int TILE_N = 16;
-constexpr int64_t TILED_ROWS = 8;
+// Rows of x from which the strips beat the row product (raw A/B, NOTES 49): q8 1.26x at
+// 6 rows, 0.90x at 4; q4 0.93x at 6, 1.04x at 8.
+constexpr int64_t TILED_ROWS_Q8 = 6, TILED_ROWS_Q4 = 8;
 // log2 of q4's runs a group (bf16 path: 1, 2, 4 ... 16).
 inline int runs_shift(int64_t g) {
   int shift = 0;
@@ -551,7 +554,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
                           : Q4 && path == Path::bf16 ? K / 2 + K / 16 : 0;
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
   const int64_t groups = K / g;
-  const bool strips = path == Path::bf16 && M >= TILED_ROWS && N >= TILE_N;
+  const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
+  const bool strips = path == Path::bf16 && M >= tiled_rows && N >= TILE_N;
   const int64_t strip_groups = Q4 ? K / 32 : groups;  // q4's strips scale per run
   const int shift = runs_shift(g);  // q4's runs a group, as a shift
   const int64_t strip_floats = strips ? K * 8 + 2 * strip_groups * TILE_N + 16 : 0;
