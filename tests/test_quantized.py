@@ -208,18 +208,17 @@ def test_q8_products_carry_non_finite_and_tiny_activations(bad):
 
 
 @pytest.mark.parametrize("k_quant", [False, True])
-def test_q8_dense_rows_keep_the_values_bits(k_quant, monkeypatch):
-    """Beyond `MAX_KERNEL_ROWS` (where the kernel has no bf16 path; `BF16_ROWS` where it
-    has) a bf16 q8 product is one bf16 GEMM over [x | x] and the split [hi | lo] copy: the
-    values to 16 bits, so the bf16 output is the exact product's rounding but where the
-    exact sum lies within ~2^-16 of a rounding boundary. Rounding the values to bf16
-    instead misses ~43% of the outputs."""
-    monkeypatch.setitem(quantized.BF16_ROWS, 8, quantized.MAX_KERNEL_ROWS[8])
+def test_q8_dense_rows_keep_the_values_bits(k_quant):
+    """Beyond `MAX_KERNEL_ROWS` (CPUs where the kernel has no bf16 path) a bf16 q8 product
+    is one bf16 GEMM over [x | x] and the split [hi | lo] copy: the values to 16 bits, so
+    the bf16 output is the exact product's rounding but where the exact sum lies within
+    ~2^-16 of a rounding boundary. Rounding the values to bf16 instead misses ~43% of the
+    outputs."""
     g = torch.Generator().manual_seed(1)
     rows = quantized.MAX_KERNEL_ROWS[8] + 31
     fields = _q8_fields(g, 96, 576, 16 if k_quant else 32, k_quant)
     x = torch.randn(rows, 576, generator=g).bfloat16()
-    got = ops.q8_linear(x, *fields)
+    got = quantized.q8_dense_product(x, *fields)
     w = quantized.dequantize_q8_ref(*fields, torch.float64)
     want = x.double() @ w.T
     exact = want.to(torch.bfloat16)

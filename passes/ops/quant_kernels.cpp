@@ -578,11 +578,11 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     float* base = extra + m * per_row;
     return Bf16Row{reinterpret_cast<const bf16*>(base), base + K / 2};
   };
-  if (Q4 && path == Path::bf16)  // q8 reads x as it is; q4 needs the nibbles' order, sums
-    for (int64_t m = 0; m < M; ++m) {
+  if (Q4 && path == Path::bf16)  // q8 reads x as it is; q4 needs sums, and the row product
+    for (int64_t m = 0; m < M; ++m) {  // the nibbles' order (not where strips take every row)
       float* base = extra + m * per_row;
       const bf16* xm = static_cast<const bf16*>(x) + m * K;
-      reorder_pairs(xm, K, reinterpret_cast<bf16*>(base));
+      if (!strips || N % TILE_N) reorder_pairs(xm, K, reinterpret_cast<bf16*>(base));
       run_sums(xm, K, base + K / 2, 32);
     }
 #endif
@@ -757,6 +757,12 @@ int64_t quant_kernels_vectorized() {
 #else
   return 0;
 #endif
+}
+
+// The path a call with bf16 activations takes (`choose`): 0 fp32, 1 bf16, 2 int8; the
+// Python side asks rather than repeating the rule.
+int64_t quant_kernels_path(int64_t q4, int64_t K, int64_t g) {
+  return int64_t(choose(q4 != 0, 1, K, g));
 }
 
 void q4_linear_team(const void* x, int64_t flags, const void* w, const void* scales,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,8 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # (8 rows of x and more) beat the dense path for q4 up to 64 rows (1.09x there, 0.86x at
 # 128) and for q8 at every row count measured, 64-2048 (1.44-1.97x): NOTES 49. Never
 # below 16, the CPU graphs' largest batch, whose replays take team calls only.
-MAX_KERNEL_ROWS = {4: 32, 8: 128}
-BF16_ROWS: dict[int, int | None] = {4: 64, 8: None}  # None: no limit
+MAX_KERNEL_ROWS = MappingProxyType({4: 32, 8: 128})
+BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
 
 
 def dequantize_q4_ref(
@@ -86,6 +87,8 @@ def _kernel() -> ctypes.CDLL | None:
         for suffix, extra in (("team", 0), ("region", 1)):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = [ctypes.c_int64] * (count + extra), None
+    lib.quant_kernels_path.argtypes = [ctypes.c_int64] * 3
+    lib.quant_kernels_path.restype = ctypes.c_int64
     for name, count in (("dequantize_q4_region", 9), ("dequantize_q8_region", 8)):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ctypes.c_int64] * count, None
@@ -139,14 +142,16 @@ def kernel_path() -> str:
     return ("portable", "fp32", "int8", "bf16")[level]
 
 
+@functools.cache
+def _bf16_path(bits: int, k: int, group: int) -> bool:
+    """Whether the kernel takes bf16 activations on its exact bf16 path for this shape."""
+    lib = _kernel()
+    return lib is not None and lib.quant_kernels_path(int(bits == 4), k, group) == 1
+
+
 def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
-    k = x.shape[-1]
-    bf16_groups = (32, 64, 128, 256, 512) if bits == 4 else (32, 16, k)  # the kernel's `choose`
-    if x.dtype == torch.bfloat16 and k % 64 == 0 and group in bf16_groups \
-            and kernel_path() == "bf16":  # fmt: skip
-        limit = BF16_ROWS[bits]
-    else:
-        limit = MAX_KERNEL_ROWS[bits]
+    exact = x.dtype == torch.bfloat16 and _bf16_path(bits, x.shape[-1], group)
+    limit = BF16_ROWS[bits] if exact else MAX_KERNEL_ROWS[bits]
     return limit is None or x.shape[0] <= limit
 
 
@@ -225,14 +230,20 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None):
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q8_call((x, w, scales, bias), y)
     if call is None:
-        dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
-        if dtype == torch.bfloat16 and x.dim() == 2:
-            split = _dequantize_native(w, (scales,), dtype, split=True)
-            if split is not None:  # Q8_0's values do not fit bf16 (19 bits)
-                return _product_ref(torch.cat([x, x], 1), split, bias, out_dtype)
-        return _product_ref(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
+        return q8_dense_product(x, w, scales, bias, out_dtype)
     call.run()
     return y
+
+
+def q8_dense_product(x, w, scales, bias=None, out_dtype=None):
+    """Beyond the kernel's rows: a dense GEMM on a dequantized copy; bf16 multiplies
+    [x | x] by the split [hi | lo] copy (Q8_0's values do not fit bf16: 19 bits)."""
+    dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
+    if dtype == torch.bfloat16 and x.dim() == 2:
+        split = _dequantize_native(w, (scales,), dtype, split=True)
+        if split is not None:
+            return _product_ref(torch.cat([x, x], 1), split, bias, out_dtype)
+    return _product_ref(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
 
 
 def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None):
