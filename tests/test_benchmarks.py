@@ -183,3 +183,27 @@ def test_ab_quant_kernels_smoke(tiny_gguf, tokenizer_dir, capsys):
                      "--max-model-len", "128", "--tokenizer", str(tokenizer_dir)])  # fmt: skip
     assert ratio > 0 and "tree / HEAD" in capsys.readouterr().out
     assert quantized._kernel is before
+
+
+def test_ab_quant_raw_smoke(capsys):
+    """Two builds' products on small random blocks: a ratio per row count, and each
+    build's error against fp64 printed (the working tree's within fp32 sums)."""
+    if subprocess.run(["git", "-C", str(BENCH), "rev-parse"], capture_output=True).returncode:
+        pytest.skip("not a git checkout: no committed build to compare with")
+    ab = _load("ab_quant_raw")
+    ratios = ab.main(["--base", "HEAD", "--format", "q4", "--shapes", "48x128", "--rows",
+                      "1,9", "--rounds", "2", "--ms", "1"])  # fmt: skip
+    assert set(ratios) == {1, 9} and all(r > 0 for r in ratios.values())
+    out = capsys.readouterr().out
+    assert out.count("largest error") == 2
+    assert all(float(line.rsplit("tree ", 1)[1]) < 1e-4 for line in out.splitlines()
+               if "largest error" in line)  # fmt: skip
+
+
+def test_bench_quantize_at_load_smoke(tiny_llama, capsys):
+    """bf16 and int8 engines of one float checkpoint, one round: a ratio each (bf16's 1)."""
+    bench = _load("bench_quantize_at_load")
+    ratios = bench.main(["--model", str(tiny_llama[0]), "--formats", "int8", "--rounds", "1",
+                         "--tokens", "4"])  # fmt: skip
+    assert ratios["bf16"] == 1.0 and ratios["int8"] > 0
+    assert "int8:" in capsys.readouterr().out
