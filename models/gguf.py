@@ -10,7 +10,8 @@ converter permutes the rows of Llama's q and k projections (its RoPE pairs neigh
 HF's pairs halves), which `_unpermute` reverses, on the blocks as on float tensors (a
 row of blocks is a row of the weight). Other block types (Q5_K, Q5_x, ...) are
 dequantized to fp32 when loaded, with a warning naming them; so is a fused module (QKV,
-gate/up) whose parts differ in block type (Q4_K_M's Q6_K v projections), with a warning.
+gate/up) with a part in such a type, with a warning. A fused module whose parts are
+kept in different types (Q4_K_M's Q4_K q and k beside a Q6_K v) holds each part apart.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ def _dense_types() -> set[Any]:
 
 def quant_config(path: str | Path) -> QuantizationConfig:
     """Which layers keep their blocks: each whose tensors (all parts of a fused module)
-    share one kept block type. Float tensors and mixed fused modules load as floats."""
+    share one kept block type, and fused modules whose parts are each in a kept type
+    (held per part). Float tensors, and fused modules with a part in another type, load
+    as floats."""
     kept = _kept_formats()
     by_module: dict[str, QuantFormat | None] = {}
     for tensor in _reader(Path(path)).tensors:
@@ -102,6 +105,7 @@ def quant_config(path: str | Path) -> QuantizationConfig:
             continue
         by_module[name[: -len(".weight")]] = kept.get(tensor.tensor_type)
     formats: dict[str, QuantFormat] = {}
+    parts: dict[str, tuple[QuantFormat, ...]] = {}
     for module, fmt in by_module.items():
         parent, _, leaf = module.rpartition(".")
         fused = next((f for f, parts in _FUSED.items() if leaf in parts), None)
@@ -109,10 +113,12 @@ def quant_config(path: str | Path) -> QuantizationConfig:
             if fmt is not None:
                 formats[module] = fmt
             continue
-        parts = {by_module.get(f"{parent}.{p}") for p in _FUSED[fused]}
-        if len(parts) == 1 and fmt is not None:
+        each = tuple(by_module.get(f"{parent}.{p}") for p in _FUSED[fused])
+        if len(set(each)) == 1 and fmt is not None:
             formats[f"{parent}.{fused}"] = fmt
-    return QuantizationConfig("gguf", formats=formats)
+        elif None not in each:  # every part kept, in different formats: held apart
+            parts[f"{parent}.{fused}"] = each
+    return QuantizationConfig("gguf", formats=formats, parts=parts)
 
 
 def _fused_name(name: str) -> str:
@@ -122,8 +128,12 @@ def _fused_name(name: str) -> str:
     return f"{parent}{dot}{fused}"
 
 
-def _module_format(name: str, config: QuantizationConfig) -> QuantFormat | None:
-    return config.formats.get(_fused_name(name))
+def _module_format(name: str, config: QuantizationConfig, type_: Any) -> QuantFormat | None:
+    """The format a tensor's blocks are kept in (None: loaded as floats)."""
+    module = _fused_name(name)
+    if module in config.parts:  # a part held apart: its own block type
+        return _kept_formats().get(type_)
+    return config.formats.get(module)
 
 
 def _blocks(raw: torch.Tensor, type_: Any) -> dict[str, torch.Tensor]:
@@ -216,14 +226,14 @@ def iterate_weights(
         name = hf_name(tensor.name)
         if name is None:
             raise GGUFError(f"{path}: tensor {tensor.name!r} has no counterpart in our Llama")
-        fmt = _module_format(name, config) if config is not None else None
+        fmt = _module_format(name, config, tensor.tensor_type) if config is not None else None
         if fmt is not None:
             fields = _blocks(torch.from_numpy(np.array(tensor.data)), tensor.tensor_type)
         else:
             if tensor.tensor_type not in dense and tensor.tensor_type not in _kept_formats():
                 dequantized.add(tensor.tensor_type.name)
             elif config is not None and tensor.tensor_type in _kept_formats():
-                mixed.add(_fused_name(name))  # a fused module whose parts differ
+                mixed.add(_fused_name(name))  # a fused module with a part not kept
             values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
             fields = {"weight": torch.from_numpy(np.array(values, dtype=np.float32))}
         leaf = name.rsplit(".", 2)[-2]
@@ -237,7 +247,7 @@ def iterate_weights(
         logger.warning("%s: %s blocks are dequantized to floats when loaded (kept as stored: "
                        "%s)", path, ", ".join(sorted(dequantized)), kept)  # fmt: skip
     if mixed:
-        logger.warning("%s: %d fused modules (%s, ...) hold parts in different block types and "
+        logger.warning("%s: %d fused modules (%s, ...) hold a part in a block type not kept and "
                        "load as floats", path, len(mixed), sorted(mixed)[0])  # fmt: skip
 
 

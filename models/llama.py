@@ -349,6 +349,9 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                 if ckpt_part in ckpt_name:
                     name, shard_id = ckpt_name.replace(ckpt_part, param_part), sid
                     break
+            whole = shard_id is not None and name not in params and f"{name}_{shard_id}" in params
+            if whole:  # a part of a fused layer held in its own format (its own parameter)
+                name = f"{name}_{shard_id}"
             if name not in params:
                 raise WeightLoadError(
                     f"unexpected weight {ckpt_name!r}: {type(self).__name__} has no parameter "
@@ -363,7 +366,7 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                     loader(param, tensor, shard_id)
             except ShapeMismatchError as e:
                 raise WeightLoadError(f"shape mismatch for {ckpt_name!r}: {e}") from None
-            if shard_id is None:
+            if shard_id is None or whole:
                 loaded.add(name)
             else:
                 shards.setdefault(name, set()).add(shard_id)

@@ -35,13 +35,15 @@ def tiny_llama(tmp_path_factory, tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory, tiny_llama):
-    """(GGUF file, oracle) of the tiny Llama: Q4_1 layers, a Q4_0 MLP, a Q8_0 embedding
-    and a Q5_0 head (not kept: dequantized at load); the oracle is the HF model holding
-    gguf-py's dequantization of every weight (tests/gguf_files.py)."""
+    """(GGUF file, oracle) of the tiny Llama: Q4_1 layers, a Q4_0 MLP, a Q8_0 v projection
+    (its QKV held per part), a Q8_0 embedding and a Q5_0 head (not kept: dequantized at
+    load); the oracle is the HF model holding gguf-py's dequantization of every weight
+    (tests/gguf_files.py)."""
     from tests.gguf_files import Q, write_gguf
 
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    types = {"embed_tokens": Q.Q8_0, "layers.1.mlp": Q.Q4_0, "lm_head": Q.Q5_0}
+    types = {"embed_tokens": Q.Q8_0, "layers.1.mlp": Q.Q4_0, "layers.1.self_attn.v_proj": Q.Q8_0,
+             "lm_head": Q.Q5_0}  # fmt: skip
     return path, write_gguf(path, tiny_llama[1], types, Q.Q4_1)
 
 

@@ -274,6 +274,39 @@ def test_quantized_linear_pass_takes_static_rows(bits, dtype):
     assert count_ops(backend.graph_after, torch.ops.aten.mm) == 0
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_parts_in_different_formats_are_multiplied_apart(bias):
+    """A QKV whose v is stored in another format (Q4_K_M's Q6_K v beside Q4_K q and k)
+    holds each part apart and traces to one `mm` (or `addmm`) a part, each of which the
+    pass rewrites; the product equals x times the parts' dequantized rows, in order."""
+    from models.layers.linear import QKVParallelLinear
+    from models.layers.quantization import QuantizationConfig, quant_fields
+
+    g = torch.Generator().manual_seed(0)
+    q4_k, q6_k = QuantFormat(4, 32, torch.float32), QuantFormat(8, 16, torch.float32)
+    config = QuantizationConfig("gguf", parts={"attn.qkv_proj": (q4_k, q4_k, q6_k)})
+    layer = QKVParallelLinear(256, 32, 4, 2, bias=bias, quant_config=config,
+                              prefix="attn.qkv_proj", params_dtype=torch.float32)  # fmt: skip
+    with torch.no_grad():
+        for sid, rows in (("q", 128), ("k", 64), ("v", 64)):
+            fields = (_q8_fields(g, rows, 256, 16, True) if sid == "v"
+                      else _q4_fields(g, rows, 256, 32, True))  # fmt: skip
+            for name, value in zip(("qweight", "scales", "mins"), fields):
+                getattr(layer, f"{name}_{sid}").copy_(value)
+        if bias:
+            layer.bias.normal_(generator=g)
+    weight = torch.cat([fmt.dequantize(quant_fields(layer, fmt, f"_{sid}"), torch.float32)
+                        for (sid, _), fmt in layer.part_formats])  # fmt: skip
+    x = torch.randn(3, 256, generator=g)
+    want = F.linear(x, weight, layer.bias)
+    torch.testing.assert_close(layer(x)[0], want, rtol=1e-5, atol=1e-5)
+    backend = testing.check_pass(QuantizedLinearPass(), lambda x: layer(x)[0], x, dynamic=False)
+    assert backend.matches("quantized_linear") == 3
+    assert count_ops(backend.graph_after, ops.q4_linear) == 2
+    assert count_ops(backend.graph_after, ops.q8_linear) == 1
+    assert count_ops(backend.graph_after, torch.ops.aten.mm) == 0
+
+
 @pytest.mark.parametrize("rows", [5, 140])
 def test_quantized_linear_pass_takes_symbolic_rows(rows):
     """The symbolic token count's code too: the op reads blocks for up to 32-128 rows and
@@ -326,6 +359,8 @@ def test_gguf_layers_keep_their_blocks(tiny_gguf):
     assert config.formats["model.layers.0.self_attn.qkv_proj"] == QuantFormat(4, 32)
     assert config.formats["model.layers.1.mlp.gate_up_proj"] == QuantFormat(4, 32)
     assert config.formats["model.embed_tokens"] == QuantFormat(8, 32)
+    q4_1, q8_0 = QuantFormat(4, 32), QuantFormat(8, 32)
+    assert config.parts["model.layers.1.self_attn.qkv_proj"] == (q4_1, q4_1, q8_0)
     assert "lm_head" not in config.formats  # Q5_0: floats
 
 
@@ -344,27 +379,35 @@ def test_gguf_logits_match_hf_on_the_dequantized_weights(tiny_gguf):
 def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     """A Q4_K_M-like mix (Q4_K; Q6_K for the MLP's down projection, the head and one
     layer's v projection): Q4_K layers hold q4 blocks and Q6_K ones q8 blocks in groups of
-    16, both with fp32 scales; the fused QKV whose parts differ loads as floats. Logits
-    against HF holding gguf-py's dequantization of every block."""
+    16, both with fp32 scales; the fused QKV whose parts differ holds each part in its own
+    format, and one whose v is Q5_0 (not kept) loads as floats. Logits against HF holding
+    gguf-py's dequantization of every block."""
     from tests.gguf_files import write_gguf
     from tests.helpers import llama_config, save_checkpoint
 
     config = llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                          num_key_value_heads=2)  # fmt: skip
+                          num_key_value_heads=2, num_hidden_layers=3)  # fmt: skip
     hf = save_checkpoint(tmp_path / "hf", config)
     path = tmp_path / "k.gguf"
-    types = {"mlp.down_proj": Q.Q6_K, "lm_head": Q.Q6_K, "layers.1.self_attn.v_proj": Q.Q6_K}
+    types = {"mlp.down_proj": Q.Q6_K, "lm_head": Q.Q6_K, "layers.1.self_attn.v_proj": Q.Q6_K,
+             "layers.2.self_attn.v_proj": Q.Q5_0}  # fmt: skip
     oracle = write_gguf(path, hf, types, Q.Q4_K)
     quant = gguf.quant_config(path)
     f32 = torch.float32
-    assert quant.formats["model.layers.0.self_attn.qkv_proj"] == QuantFormat(4, 32, f32)
-    assert quant.formats["model.layers.0.mlp.down_proj"] == QuantFormat(8, 16, f32)
-    assert quant.formats["lm_head"] == QuantFormat(8, 16, f32)
-    assert "model.layers.1.self_attn.qkv_proj" not in quant.formats  # Q4_K + Q6_K parts
+    q4_k, q6_k = QuantFormat(4, 32, f32), QuantFormat(8, 16, f32)
+    assert quant.formats["model.layers.0.self_attn.qkv_proj"] == q4_k
+    assert quant.formats["model.layers.0.mlp.down_proj"] == q6_k
+    assert quant.formats["lm_head"] == q6_k
+    assert quant.parts["model.layers.1.self_attn.qkv_proj"] == (q4_k, q4_k, q6_k)
+    assert "model.layers.2.self_attn.qkv_proj" not in {*quant.formats, *quant.parts}
     model, engine_config = load_ours(path, quant_config=quant,
                                      hf_config=load_hf_config(gguf.metadata_dir(path)))  # fmt: skip
     assert model.model.layers[0].mlp.down_proj.scales.dtype == f32
-    assert "1 fused modules (model.layers.1.self_attn.qkv_proj" in caplog.text
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert (qkv.qweight_q.dtype, qkv.qweight_v.dtype) == (torch.uint8, torch.int8)
+    assert not hasattr(qkv, "weight") and qkv.scales_v.shape[1] == 256 // 16
+    assert model.model.layers[2].self_attn.qkv_proj.weight.dtype.is_floating_point
+    assert "1 fused modules (model.layers.2.self_attn.qkv_proj" in caplog.text
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, TOKENIZER_VOCAB, (n,), generator=g) for n in (1, 9)]
     got, want = packed_logits(model, engine_config, prompts), hf_logits(oracle, prompts)
@@ -372,36 +415,47 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layers", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("layers", ["q4_1", "q8_0", "k_mix"])
 def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir, tmp_path,
                                            layers):  # fmt: skip
     """The engine on a GGUF file, compiled (the quantized products recorded into CPU
     graphs) against eager, both bf16, on the same tokens. Q8_0 layers with 9 prompts: the
     q8 products' strips (8 rows and more) in prefill and in the batch of 16's graph, and
-    the tokens against HF fp32 on the file's dequantized weights up to the first near tie."""
+    the tokens against HF fp32 on the file's dequantized weights up to the first near tie.
+    `k_mix`: Q4_K with Q6_K v projections (each QKV's parts multiplied apart), in fp32."""
     from runtime import LLM, SamplingParams
     from tests.gguf_files import write_gguf
-    from tests.helpers import hf_greedy_checked
+    from tests.helpers import hf_greedy_checked, llama_config, save_checkpoint
 
     if layers == "q4_1":
         path = str(tiny_gguf[0])
         prompts = [[5, 17, 33, 2], [40, 41, 42, 43, 44, 45, 46], [7]]
     else:
-        path = str(tmp_path / "q8.gguf")
-        oracle = write_gguf(tmp_path / "q8.gguf", tiny_llama[1], {}, Q.Q8_0)
+        path = str(tmp_path / "q.gguf")
+        if layers == "q8_0":
+            oracle = write_gguf(tmp_path / "q.gguf", tiny_llama[1], {}, Q.Q8_0)
+        else:
+            config = llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                  num_key_value_heads=2)  # fmt: skip
+            hf = save_checkpoint(tmp_path / "hf", config)
+            oracle = write_gguf(tmp_path / "q.gguf", hf, {"v_proj": Q.Q6_K}, Q.Q4_K)
         prompts = [[5 + i, 17, 33, 2 * i] for i in range(8)] + [[40, 41, 42, 43, 44, 45, 46]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []
+    # k_mix in fp32: this model's logits (~4) move by more than HF's near-tie margin under
+    # bf16 activations, and eager in bf16 rounds the K-quants' values (fp32 scales).
+    dtype = "float32" if layers == "k_mix" else "auto"
     for eager in (True, False):
-        llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128)
+        llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128,
+                  dtype=dtype)  # fmt: skip
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                    use_tqdm=False)])  # fmt: skip
         del llm
     assert outs[0] == outs[1]
-    if layers == "q8_0":
+    if layers != "q4_1":
         wanted = [hf_greedy_checked(oracle, p, 12, 0.02) for p in prompts]
         assert sum(checked for _, checked in wanted) >= 40, "near ties too early"
-        for got, (want, checked) in zip(outs[0], wanted):
+        for got, (want, checked) in zip(outs[1], wanted):
             assert got[:checked] == want[:checked]
 
 

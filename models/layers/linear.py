@@ -55,6 +55,17 @@ def _shard(loaded: torch.Tensor, dim: int, index: int, size: int, full: int) -> 
     return loaded.narrow(dim, index * size, size)
 
 
+def _shard_target(param: nn.Parameter, shard_id: object, offset: int, size: int) -> torch.Tensor:
+    """Where shard `shard_id` goes in `param`: its rows of a fused parameter, or the whole
+    of a parameter that holds that shard alone (a part kept in its own format)."""
+    own = getattr(param, "shard_id", None)
+    if own is None:
+        return param.data.narrow(0, offset, size)
+    if own != shard_id:
+        raise ShapeMismatchError(f"shard {shard_id!r} given to the parameter of shard {own!r}")
+    return param.data
+
+
 class LinearBase(nn.Module):
     def __init__(
         self,
@@ -73,6 +84,9 @@ class LinearBase(nn.Module):
         # The format of the fields this layer holds in place of `weight` (None: a float
         # weight, also while one waits to be quantized after loading).
         self.quant_format: QuantFormat | None = None
+        # A fused layer whose parts are stored in different formats holds each part's
+        # fields apart (named `qweight_<shard>`...): ((shard id, rows), format) per part.
+        self.part_formats: tuple[tuple[tuple[object, int], QuantFormat], ...] | None = None
         self.skip_bias_add = skip_bias_add
         self.prefix = prefix
         self.tp_rank = get_tensor_model_parallel_rank()
@@ -80,8 +94,13 @@ class LinearBase(nn.Module):
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self._has_bias = bias
 
+    def _shards(self) -> list[tuple[object, int]] | None:
+        """A fused layer's parts: (shard id, rows on this rank) in output order."""
+        return None
+
     def _make_params(self, out_features: int, in_features: int) -> None:
         fmt = self.quant_config.format_for(self.prefix) if self.quant_config else None
+        parts = self.quant_config.parts.get(self.prefix) if self.quant_config else None
         if fmt is not None and self.quant_config.quantize_at_load:
             try:  # refused before any weight is read, not when this layer's arrives
                 fmt.fields(out_features, in_features)
@@ -91,7 +110,9 @@ class LinearBase(nn.Module):
                     f"([{out_features}, {in_features}] on this rank): {e}; use a format "
                     "whose groups divide it (e.g. 'int4', groups of 32, or 'int8')"
                 ) from None
-        if fmt is not None and not self.quant_config.quantize_at_load:
+        if parts is not None:
+            self._make_part_params(parts, in_features)
+        elif fmt is not None and not self.quant_config.quantize_at_load:
             make_quantized_params(self, fmt, out_features, in_features, self.weight_loader)
             self.quant_format = fmt
         else:
@@ -108,11 +129,40 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def _make_part_params(self, parts: tuple[QuantFormat, ...], in_features: int) -> None:
+        shards = self._shards()
+        if shards is None or len(shards) != len(parts):
+            raise ValueError(f"{self.prefix}: {len(parts)} part formats for a layer with "
+                             f"{len(shards or ())} parts")  # fmt: skip
+        for (sid, rows), fmt in zip(shards, parts):
+            for param in make_quantized_params(self, fmt, rows, in_features,
+                                               self.weight_loader, f"_{sid}"):  # fmt: skip
+                param.shard_id = sid  # holds this shard alone
+        self.part_formats = tuple(zip(shards, parts))
+
+    def _part_weights(self) -> list[torch.Tensor]:
+        return [fmt.dequantize(quant_fields(self, fmt, f"_{sid}"), self.params_dtype)
+                for (sid, _), fmt in self.part_formats]  # fmt: skip
+
     def linear_weight(self) -> torch.Tensor:
         """The weight as the product reads it: the float weight, or its dequantization."""
+        if self.part_formats is not None:
+            return torch.cat(self._part_weights())
         if self.quant_format is None:
             return self.weight
         return self.quant_format.dequantize(quant_fields(self), self.params_dtype)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight^T (+ bias). Parts held apart are multiplied apart (each its own
+        `mm(x, dequantize(...)^T)` for the passes to rewrite) and concatenated, as vLLM's
+        GGUF layers do with mixed shards."""
+        if self.part_formats is None:
+            return F.linear(x, self.linear_weight(), bias)
+        outs, at = [], 0
+        for ((_, rows), _), w in zip(self.part_formats, self._part_weights()):
+            outs.append(F.linear(x, w, None if bias is None else bias[at : at + rows]))
+            at += rows
+        return torch.cat(outs, -1)
 
     def process_weights_after_loading(self) -> None:
         """Quantize the loaded float weight where the config asks for it at load."""
@@ -128,6 +178,8 @@ class LinearBase(nn.Module):
 
     def extra_repr(self) -> str:
         quant = f", quant=q{self.quant_format.bits}" if self.quant_format else ""
+        if self.part_formats:
+            quant = ", quant=" + "+".join(f"q{fmt.bits}" for _, fmt in self.part_formats)
         return (
             f"in={self.input_size}, out={self.output_size}, "
             f"bias={self._has_bias}, tp={self.tp_size}{quant}"
@@ -162,7 +214,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
-        out = F.linear(x, self.linear_weight(), bias)
+        out = self._product(x, bias)
         if self.gather_output:
             out = tensor_model_parallel_all_gather(out, dim=-1)
         return out, (self.bias if self.skip_bias_add else None)
@@ -177,9 +229,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], **kw):
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), **kw)
         for size in self.output_sizes:
-            divide(size, self.tp_size, "output size")
+            divide(size, get_tensor_model_parallel_world_size(), "output size")
+        super().__init__(input_size, sum(output_sizes), **kw)
+
+    def _shards(self) -> list[tuple[object, int]]:
+        return [(i, size // self.tp_size) for i, size in enumerate(self.output_sizes)]
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None
@@ -189,9 +244,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         full = self.output_sizes[shard_id]
         size = full // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        copy_checked(
-            param.data.narrow(0, offset, size), _shard(loaded, 0, self.tp_rank, size, full)
-        )
+        copy_checked(_shard_target(param, shard_id, offset, size),
+                     _shard(loaded, 0, self.tp_rank, size, full))  # fmt: skip
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -227,6 +281,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
         super().__init__(hidden_size, output_size, **kw)
 
+    def _shards(self) -> list[tuple[object, int]]:
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        return [("q", q_size), ("k", kv_size), ("v", kv_size)]
+
     def _shard_layout(self, shard_id: str) -> tuple[int, int, int, int]:
         """(offset in this rank's slice, size, index of this rank's shard, full size)."""
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
@@ -253,7 +311,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         offset, size, index, full = self._shard_layout(shard_id)
-        copy_checked(param.data.narrow(0, offset, size), _shard(loaded, 0, index, size, full))
+        copy_checked(_shard_target(param, shard_id, offset, size),
+                     _shard(loaded, 0, index, size, full))  # fmt: skip
 
 
 class RowParallelLinear(LinearBase):

@@ -72,20 +72,26 @@ class QuantFormat:
         return product(x, *fields, bias, out_dtype)
 
 
-def quant_fields(module: nn.Module) -> tuple[torch.Tensor, ...]:
-    """A quantized module's fields, in its format's `names()` order."""
-    return tuple(getattr(module, name) for name in module.quant_format.names())
+def quant_fields(module: nn.Module, fmt: QuantFormat | None = None, suffix: str = ""
+                 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """A quantized module's fields, in its format's `names()` order (`fmt` and `suffix`:
+    one part's, of a fused module held per part)."""
+    fmt = fmt or module.quant_format
+    return tuple(getattr(module, name + suffix) for name in fmt.names())
 
 
 @dataclass
 class QuantizationConfig:
     """`name`: vLLM's `quantization` value. `formats`: layer prefix -> its format, for a
-    checkpoint stored quantized (GGUF); `default`: the format of every linear layer that
-    `formats` does not name, for a float checkpoint quantized when loaded."""
+    checkpoint stored quantized (GGUF); `parts`: fused layer prefix -> each part's format,
+    in shard order, where the parts are stored in different formats (Q4_K_M's Q4_K q and
+    k with a Q6_K v); `default`: the format of every linear layer that `formats` does not
+    name, for a float checkpoint quantized when loaded."""
 
     name: str
     default: QuantFormat | None = None
     formats: dict[str, QuantFormat] = field(default_factory=dict)
+    parts: dict[str, tuple[QuantFormat, ...]] = field(default_factory=dict)
 
     @property
     def quantize_at_load(self) -> bool:
@@ -118,12 +124,16 @@ def quantization_config(name: str | None) -> QuantizationConfig | None:
 
 
 def make_quantized_params(module: nn.Module, fmt: QuantFormat, rows: int, cols: int,
-                          loader) -> None:  # fmt: skip
-    """Register `fmt`'s fields on `module` as parameters, each loaded by `loader`."""
+                          loader, suffix: str = "") -> list[nn.Parameter]:  # fmt: skip
+    """Register `fmt`'s fields on `module` as parameters (named with `suffix`), each
+    loaded by `loader`."""
+    params = []
     for name, (shape, dtype) in fmt.fields(rows, cols).items():
         param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
         param.weight_loader = loader
-        module.register_parameter(name, param)
+        module.register_parameter(name + suffix, param)
+        params.append(param)
+    return params
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> dict[str, torch.Tensor]:
