@@ -38,6 +38,11 @@ MAX_CAPTURE_TRIES = 3
 # Decode batches up to this size record CPU graphs by default, each its own (padding would
 # cost compute: at 9-16 rows the products are compute-bound). Measured in NOTES section 27.
 CPU_GRAPH_MAX_BATCH = 16
+# Larger decode batches record graphs at these sizes, a batch padded up to the next one
+# where that adds at most 1/8 of its rows (a 64-row Q8_0 step ran 1.12x faster end to end
+# as a graph than piece by piece, NOTES section 50; padding costs compute at these sizes).
+CPU_GRAPH_LARGE_SIZES = (24, 32, 40, 48, 56, 64)
+CPU_GRAPH_MAX_PAD = 1 / 8
 
 
 @dataclass
@@ -191,9 +196,12 @@ class ModelRunner:
         )
         sizes = cc.cpu_graph_sizes
         if sizes is None:  # decode batches record from the symbolic-size code too
-            sizes = [*(cc.compile_sizes or []), *range(2, CPU_GRAPH_MAX_BATCH + 1)]
+            sizes = [*(cc.compile_sizes or []), *range(2, CPU_GRAPH_MAX_BATCH + 1),
+                     *CPU_GRAPH_LARGE_SIZES]  # fmt: skip
         self.cpu_graph_sizes = set(sizes) if cpu_graphs else set()
         self.cpu_graph_order = sorted(self.cpu_graph_sizes)
+        # Sizes the user lists are padded to whatever the batch (vLLM's capture sizes).
+        self.cpu_graph_max_pad = CPU_GRAPH_MAX_PAD if cc.cpu_graph_sizes is None else None
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
         self._capture_tries: dict[int, int] = {}
         self._pp_buffers: Any = None  # a later pipeline stage's receive buffers
@@ -345,11 +353,16 @@ class ModelRunner:
 
     def _cpu_graph_size(self, plan: StepPlan) -> int | None:
         """The CPU-graph size for a decode-only step: its batch, padded up to the next
-        compile size (like CUDA graphs); None for any other step."""
+        graph size (like CUDA graphs; with the default sizes, where that adds at most
+        `CPU_GRAPH_MAX_PAD` of its rows); None for any other step."""
         n = plan.num_tokens
         if not self.cpu_graph_sizes or plan.num_decodes != n or len(plan.logits_rows) != n:
             return None
-        return next((s for s in self.cpu_graph_order if s >= n), None)
+        size = next((s for s in self.cpu_graph_order if s >= n), None)
+        limit = self.cpu_graph_max_pad
+        if size is None or (limit is not None and size - n > limit * n):
+            return None
+        return size
 
     def _capture_cpu_graph(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
         """Run this decode step while recording it; check that a replay of the recording

@@ -207,3 +207,12 @@ def test_bench_quantize_at_load_smoke(tiny_llama, capsys):
                          "--tokens", "4"])  # fmt: skip
     assert ratios["bf16"] == 1.0 and ratios["int8"] > 0
     assert "int8:" in capsys.readouterr().out
+
+
+def test_ab_cpu_graph_sizes_smoke(tiny_llama, capsys):
+    """Batches of 24: a graph at 24 against piece by piece, one round; same tokens."""
+    bench = _load("ab_cpu_graph_sizes")
+    ratio = bench.main(["--model", str(tiny_llama[0]), "--batch", "24", "--rounds", "1",
+                        "--tokens", "6"])  # fmt: skip
+    assert ratio > 0
+    assert "same tokens 24/24" in capsys.readouterr().out
