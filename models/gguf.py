@@ -1,5 +1,5 @@
 """GGUF files (llama.cpp's format): the model's config and tokenizer, and its tensors with
-the Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks kept (the K-quants with fp32 scales).
+the Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks kept (Q4_K's scales as stored, Q6_K's in fp32).
 
 Config and tokenizer come from transformers' GGUF reader, which takes ~10 s for a small
 model, so they are written once into a folder under the cache (`metadata_dir`) keyed by
@@ -82,7 +82,7 @@ def _kept_formats() -> dict[Any, QuantFormat]:
     from gguf import GGMLQuantizationType as T
 
     return {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32),
-            T.Q4_K: QuantFormat(4, 32, torch.float32),
+            T.Q4_K: QuantFormat(4, 32, torch.uint8),
             T.Q6_K: QuantFormat(8, 16, torch.float32)}  # fmt: skip
 
 
@@ -108,7 +108,7 @@ def quant_config(path: str | Path) -> QuantizationConfig:
     parts: dict[str, tuple[QuantFormat, ...]] = {}
     for module, fmt in by_module.items():
         parent, _, leaf = module.rpartition(".")
-        fused = next((f for f, parts in _FUSED.items() if leaf in parts), None)
+        fused = next((f for f, members in _FUSED.items() if leaf in members), None)
         if fused is None:
             if fmt is not None:
                 formats[module] = fmt
@@ -168,8 +168,9 @@ def _halves(b: torch.Tensor) -> torch.Tensor:
 def _q4_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     """Q4_K super-blocks (256 values, 144 bytes: d, dmin fp16; 12 bytes of 6-bit scales
     and mins for 8 runs of 32; 128 bytes of nibbles, each 64-value chunk a run in the low
-    nibbles and the next in the high ones) as our q4 fields: scales d x sc and mins
-    -dmin x m in fp32 (exact: an fp16 times 6 bits), nibbles in our per-run order."""
+    nibbles and the next in the high ones) as our q4 fields: scales and mins compact (per
+    row the 6-bit sc, m as bytes, then d and -dmin as fp32: scale d x sc and min -dmin x
+    m, exact), nibbles in our per-run order."""
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 144)
     d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
@@ -179,9 +180,13 @@ def _q4_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     qs = b[..., 16:].reshape(rows, -1, 4, 32)
     runs = torch.stack([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 32)  # [rows, runs, 32]
     packed = runs[..., :16] | (runs[..., 16:] << 4)
-    return {"qweight": packed.reshape(rows, -1).contiguous(),
-            "scales": (d[..., None] * sc).reshape(rows, -1),
-            "mins": -(dmin[..., None] * m).reshape(rows, -1)}  # fmt: skip
+
+    def compact(sub: torch.Tensor, sup: torch.Tensor) -> torch.Tensor:
+        return torch.cat([sub.to(torch.uint8).reshape(rows, -1),
+                          sup.contiguous().view(torch.uint8).reshape(rows, -1)], -1)  # fmt: skip
+
+    return {"qweight": packed.reshape(rows, -1).contiguous(), "scales": compact(sc, d),
+            "mins": compact(m, -dmin)}  # fmt: skip
 
 
 def _q6_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:

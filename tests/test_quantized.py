@@ -36,10 +36,25 @@ def _scales(g, shape, top, k_quant=False):
     return (base / 63).half().float() * torch.randint(1, 64, shape, generator=g).float()
 
 
+def _compact(g, n, groups, top, sign):
+    """Q4_K's scales (or mins) as stored: 6-bit sub-block scales, fp32 (fp16-exact)
+    super-block scales of sign `sign`."""
+    sub = torch.randint(0, 64, (n, groups), dtype=torch.uint8, generator=g)
+    sup = sign * (torch.rand(n, groups // 8, generator=g) * top / 63).half().float()
+    return torch.cat([sub, sup.view(torch.uint8)], 1)
+
+
 def _q4_fields(g, n, k, group=32, k_quant=False):
+    """q4 fields; `k_quant`: Q4_K's compact scales and mins (k a multiple of 256)."""
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    scales = _scales(g, (n, k // group), 0.05, k_quant)
-    return w, scales, -_scales(g, (n, k // group), 0.4, k_quant)
+    if k_quant:
+        return w, _compact(g, n, k // group, 0.05, 1), _compact(g, n, k // group, 0.4, -1)
+    return w, _scales(g, (n, k // group), 0.05), -_scales(g, (n, k // group), 0.4)
+
+
+def _values(scales):
+    """A scales or mins field's values, compact ones expanded."""
+    return quantized.expand_compact(scales) if scales.dtype == torch.uint8 else scales
 
 
 def _q8_fields(g, n, k, group=32, k_quant=False):
@@ -75,7 +90,7 @@ def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_
     reference up to summation order, for any row count (the kernel's up to 32 or 128, the
     reference's beyond), tails and a whole-row group."""
     g = torch.Generator().manual_seed(seed)
-    k = 32 * runs
+    k = 256 * runs if k_quant and bits == 4 else 32 * runs  # Q4_K: whole super-blocks
     group = k if per_channel and bits == 8 else 16 if k_quant and bits == 8 else 32  # Q6_K: 16
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -104,7 +119,7 @@ def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
     """The CPU op (what a prefill's products and an eager embedding read) is the kernel's
     dequantization; it must give the reference's values exactly, in fp32 and in bf16."""
     g = torch.Generator().manual_seed(seed)
-    k = 32 * runs
+    k = 256 * runs if k_quant and bits == 4 else 32 * runs  # Q4_K: whole super-blocks
     if bits == 4:
         fields = _q4_fields(g, n, k, k_quant=k_quant)
         got = ops.dequantize_q4(*fields, dtype)
@@ -131,7 +146,8 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     multiplies the integers themselves and has none. q8 groups: Q8_0's 32, Q6_K's 16 and
     int8's whole row; q4 groups of 32 and of 128 (int4_g128)."""
     g = torch.Generator().manual_seed(seed)
-    k = 32 * runs if fmt != "q4_g128" else 128 * max(1, runs // 4)
+    k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": 256 * max(1, runs // 4)}.get(fmt, 32 * runs)
+    runs = k // 32
     x = torch.randn(rows, k, generator=g)
     if outliers:  # a channel ~1000x the rest, as real models' activations have
         x[:, 5::37] *= 1000
@@ -157,8 +173,8 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     if path == "bf16" and fmt.startswith("q4"):
         # The offsets come off per group, (m - 128 d) X, so fp32 sums hold terms
         # ~(256 d + |m|) sum|x| that cancel.
-        group_abs = xd.abs().reshape(rows, fields[1].shape[1], -1).sum(-1)  # [rows, groups]
-        terms = fields[1].double().abs() * 256 + fields[2].double().abs()
+        group_abs = xd.abs().reshape(rows, quantized.groups_of(fields[1]), -1).sum(-1)
+        terms = _values(fields[1]).double().abs() * 256 + _values(fields[2]).double().abs()
         bound = bound + group_abs @ terms.T * 2**-20
     assert bool(((got.double() - want).abs() <= bound).all())
 
@@ -283,7 +299,7 @@ def test_fused_parts_in_different_formats_are_multiplied_apart(bias):
     from models.layers.quantization import QuantizationConfig, quant_fields
 
     g = torch.Generator().manual_seed(0)
-    q4_k, q6_k = QuantFormat(4, 32, torch.float32), QuantFormat(8, 16, torch.float32)
+    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(8, 16, torch.float32)
     config = QuantizationConfig("gguf", parts={"attn.qkv_proj": (q4_k, q4_k, q6_k)})
     layer = QKVParallelLinear(256, 32, 4, 2, bias=bias, quant_config=config,
                               prefix="attn.qkv_proj", params_dtype=torch.float32)  # fmt: skip
@@ -305,6 +321,27 @@ def test_fused_parts_in_different_formats_are_multiplied_apart(bias):
     assert count_ops(backend.graph_after, ops.q4_linear) == 2
     assert count_ops(backend.graph_after, ops.q8_linear) == 1
     assert count_ops(backend.graph_after, torch.ops.aten.mm) == 0
+
+
+def test_compact_scales_slice_by_whole_super_blocks_across_ranks():
+    """A row-parallel rank's columns of Q4_K's compact scales: its sub-block bytes and its
+    super-blocks' fp32 scales, whose expansion equals the full field's columns; a rank
+    whose columns are not whole super-blocks is refused when the layer is built."""
+    from models.layers.linear import RowParallelLinear
+    from models.layers.quantization import QuantizationConfig
+
+    g = torch.Generator().manual_seed(0)
+    full = _compact(g, 8, 16, 0.05, 1)  # 8 rows of 512 columns: 16 groups, 2 super-blocks
+    config = QuantizationConfig("gguf", formats={"o": QuantFormat(4, 32, torch.uint8)})
+    layer = RowParallelLinear(256, 8, bias=False, quant_config=config, prefix="o")
+    layer.tp_size = 2
+    for rank in (0, 1):
+        layer.tp_rank = rank
+        layer.weight_loader(layer.scales, full)
+        want = quantized.expand_compact(full)[:, 8 * rank : 8 * rank + 8]
+        assert torch.equal(quantized.expand_compact(layer.scales), want)
+    with pytest.raises(ValueError, match="whole super-blocks"):
+        RowParallelLinear(128, 8, bias=False, quant_config=config, prefix="o")
 
 
 @pytest.mark.parametrize("rows", [5, 140])
@@ -394,7 +431,7 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     oracle = write_gguf(path, hf, types, Q.Q4_K)
     quant = gguf.quant_config(path)
     f32 = torch.float32
-    q4_k, q6_k = QuantFormat(4, 32, f32), QuantFormat(8, 16, f32)
+    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(8, 16, f32)
     assert quant.formats["model.layers.0.self_attn.qkv_proj"] == q4_k
     assert quant.formats["model.layers.0.mlp.down_proj"] == q6_k
     assert quant.formats["lm_head"] == q6_k

@@ -1,6 +1,7 @@
 // Products with block-quantized weights for a few activation rows:
 // y [M, N] = x [M, K] @ dequantize(w)^T (+ bias); `flags` bit 0: x and bias are bf16 (else
-// fp32), bit 1: y is bf16 (else fp32), bit 2: scales and mins are fp32 (else fp16).
+// fp32), bit 1: y is bf16 (else fp32), bit 2: scales and mins are fp32 (else fp16), bit 4:
+// they are Q4_K's as stored (`CompactScales` below).
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
@@ -46,6 +47,40 @@ inline __m512 scales16(const f16* s, __mmask16 live) {
 }
 inline __m512 scales16(const float* s, __mmask16 live) { return _mm512_maskz_loadu_ps(live, s); }
 #endif
+
+// Q4_K's scales (or mins) as stored (compact): per row `groups` bytes of 6-bit sub-scales,
+// then groups / 8 fp32 super-block scales. Rows [n, n + count) decoded into buf as fp32
+// [count, groups]: super x sub is exact in fp32, the values fp32 fields would hold, at
+// 0.09 bytes a value for scales and mins where those take 0.25.
+struct CompactScales {
+  const uint8_t* base;
+  int64_t groups;
+  const float* rows(int64_t n, int64_t count, float* buf) const {
+    const int64_t stride = groups + groups / 2;  // bytes a row
+    for (int64_t r = 0; r < count; ++r) {
+      const uint8_t* row = base + (n + r) * stride;
+      float* out = buf + r * groups;
+      int64_t gi = 0;
+#if defined(__AVX512F__)
+      for (; gi + 16 <= groups; gi += 16) {  // two super-blocks: their scales in 8 lanes each
+        const __m512i sub = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(row + gi)));
+        float d[2];
+        std::memcpy(d, row + groups + (gi >> 3) * 4, sizeof d);
+        const __m512 super = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d[0]),
+                                                  _mm512_set1_ps(d[1]));
+        _mm512_storeu_ps(out + gi, _mm512_mul_ps(_mm512_cvtepi32_ps(sub), super));
+      }
+#endif
+      for (; gi < groups; ++gi) {
+        float d;
+        std::memcpy(&d, row + groups + (gi >> 3) * 4, sizeof d);
+        out[gi] = d * float(row[gi]);
+      }
+    }
+    return buf;
+  }
+};
 
 inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
   if (!bf) {
@@ -543,7 +578,9 @@ inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
 // The row products are templates on a block's row count (accumulators in registers), so
 // each path dispatches on mb itself: one generic lambda doing it for all four cost the
 // q8 product 10-15% at 4 rows (the same-process A/B of NOTES 46).
-template <bool Q4, typename S>
+// Compact (S = float): `scales` and `mins` point at compact rows (`CompactScales`), which
+// are decoded a row (or a strip's rows) at a time; otherwise rows of S [N, groups].
+template <bool Q4, typename S, bool Compact = false>
 void product_team(const void* x, int64_t flags, const void* w, const S* scales, const S* mins,
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
   const int64_t bf = flags & 1;
@@ -559,8 +596,17 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t strip_groups = Q4 ? K / 32 : groups;  // q4's strips scale per run
   const int shift = runs_shift(g);  // q4's runs a group, as a shift
   const int64_t strip_floats = strips ? K * 8 + 2 * strip_groups * TILE_N + 16 : 0;
-  float* xf = scratch(M * (x_floats + per_row) + strip_floats);
+  float* xf = scratch(M * (x_floats + per_row) + strip_floats +
+                      (Compact ? 2 * TILE_N * groups : 0));
   float* extra = xf + M * x_floats;
+  float* scale_buf = extra + M * per_row + strip_floats;  // compact rows decoded
+  float* min_buf = scale_buf + TILE_N * groups;
+  auto rows_of = [&](const S* base, int64_t n, int64_t count, float* buf) -> const S* {
+    if constexpr (Compact)
+      return CompactScales{reinterpret_cast<const uint8_t*>(base), groups}.rows(n, count, buf);
+    else
+      return base + n * groups;
+  };
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
 #if CC_INT8_PATH
   auto quant_row = [&](int64_t m) {
@@ -599,8 +645,9 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     st.ms = st.ds + strip_groups * TILE_N;
     for (int64_t strip = sb; strip < se; ++strip) {  // (chunks of x kept in L2: no faster)
       const int64_t n0 = strip * TILE_N;
-      pack_strip<Q4>(static_cast<const char*>(w) + n0 * row_bytes, scales + n0 * groups,
-                     Q4 ? mins + n0 * groups : nullptr, K, groups, st);
+      pack_strip<Q4>(static_cast<const char*>(w) + n0 * row_bytes,
+                     rows_of(scales, n0, TILE_N, scale_buf),
+                     Q4 ? rows_of(mins, n0, TILE_N, min_buf) : nullptr, K, groups, st);
       for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
         float out[STRIP_MB * TILE_N];
         const float* sums[STRIP_MB];
@@ -617,7 +664,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t begin = tiled + tb, end = tiled + te;
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
-    const S *s = scales + n * groups, *mn = Q4 ? mins + n * groups : nullptr;
+    const S *s = rows_of(scales, n, 1, scale_buf), *mn = Q4 ? rows_of(mins, n, 1, min_buf) : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
@@ -710,17 +757,24 @@ inline void dequantize_row(const void* wrow, const S* s, const S* mn, int64_t K,
 // torch's own dequantization of the reference took ~10x longer. `flags` bit 0: bf16 (else
 // fp32); bit 3 (with bit 0): each row [hi | lo] of 2K bf16, hi = bf16(v), lo = bf16(v - hi),
 // so that one bf16 GEMM over [x | x] sums x * v with 16 of v's bits (q8's have up to 19).
-template <bool Q4, typename S>
+template <bool Q4, typename S, bool Compact = false>
 void dequantize_team(const void* w, const S* scales, const S* mins, void* out, int64_t flags,
                      int64_t N, int64_t K, int64_t g) {
   const bool bf = flags & 1, split = bf && (flags & 8);
   const auto [begin, end] = share(N);
   const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
-  float* row = scratch(K);
+  float* row = scratch(K + 2 * groups);
+  float *scale_buf = row + K, *min_buf = scale_buf + groups;
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
     float* dst = bf ? row : static_cast<float*>(out) + n * K;
-    dequantize_row<Q4>(wrow, scales + n * groups, Q4 ? mins + n * groups : nullptr, K, g, dst);
+    if constexpr (Compact) {
+      const CompactScales s{static_cast<const uint8_t*>(static_cast<const void*>(scales)), groups};
+      const CompactScales mn{static_cast<const uint8_t*>(static_cast<const void*>(mins)), groups};
+      dequantize_row<Q4>(wrow, s.rows(n, 1, scale_buf), mn.rows(n, 1, min_buf), K, g, dst);
+    } else {
+      dequantize_row<Q4>(wrow, scales + n * groups, Q4 ? mins + n * groups : nullptr, K, g, dst);
+    }
     if (!bf) continue;
     bf16* y = static_cast<bf16*>(out) + n * K * (split ? 2 : 1);
     for (int64_t k = 0; k < K; ++k) y[k] = to_bf16(row[k]);
@@ -730,7 +784,8 @@ void dequantize_team(const void* w, const S* scales, const S* mins, void* out, i
 }
 
 // Calls f(scales, mins) with both pointers as the type `flags` bit 2 names (fp32, else
-// fp16): the one place a call's scale type is chosen, outside every loop.
+// fp16): the one place a call's scale type is chosen, outside every loop. (Compact
+// scales, bit 4, are q4's alone and dispatched by q4's entry points.)
 template <typename F>
 inline void with_scales(int64_t flags, const void* scales, const void* mins, F&& f) {
   if (flags & 4)
@@ -768,6 +823,10 @@ int64_t quant_kernels_path(int64_t q4, int64_t K, int64_t g) {
 void q4_linear_team(const void* x, int64_t flags, const void* w, const void* scales,
                     const void* mins, const void* bias, void* y, int64_t M, int64_t N, int64_t K,
                     int64_t g) {
+  if (flags & 16)
+    return product_team<true, float, true>(x, flags, w, static_cast<const float*>(scales),
+                                           static_cast<const float*>(mins), bias, y, M, N, K,
+                                           g);
   with_scales(flags, scales, mins, [&](auto s, auto mn) {
     product_team<true>(x, flags, w, s, mn, bias, y, M, N, K, g);
   });
@@ -795,13 +854,17 @@ void q8_linear_region(const void* x, int64_t flags, const void* w, const void* s
 }
 
 // `flags` bit 0: out is bf16 (else fp32); bit 2: scales and mins are fp32 (else fp16);
-// bit 3: out is bf16 [hi | lo] rows (`dequantize_team`).
+// bit 3: out is bf16 [hi | lo] rows (`dequantize_team`); bit 4: compact (Q4_K's).
 void dequantize_q4_region(const void* w, const void* scales, const void* mins, void* out,
                           int64_t flags, int64_t N, int64_t K, int64_t g, int64_t threads) {
 #pragma omp parallel num_threads(threads)
-  with_scales(flags, scales, mins, [&](auto s, auto mn) {
-    dequantize_team<true>(w, s, mn, out, flags, N, K, g);
-  });
+  if (flags & 16)  // compact: q4's alone
+    dequantize_team<true, float, true>(w, static_cast<const float*>(scales),
+                                       static_cast<const float*>(mins), out, flags, N, K, g);
+  else
+    with_scales(flags, scales, mins, [&](auto s, auto mn) {
+      dequantize_team<true>(w, s, mn, out, flags, N, K, g);
+    });
 }
 
 void dequantize_q8_region(const void* w, const void* scales, void* out, int64_t flags,

@@ -7,7 +7,9 @@ slice of each field, and a slice of input columns one of whole groups):
 - q4: `w` uint8 [N, K/2], in each run of 32 values byte j holds value j (low nibble) and
   value j + 16 (high nibble), GGUF's order; `scales`, `mins` fp16 (or fp32) [N, K/g];
   value = scale * q + min. GGUF Q4_1 as stored; Q4_0 is min = -8 scale; int4 groups;
-  Q4_K with fp32 scales and mins (super-block scale x 6-bit sub-block scale, exact).
+  Q4_K with its scales and mins as stored (compact): uint8 [N, G + G/2], per row the G
+  6-bit sub-block scales (mins) then G/8 fp32 super-block scales (-mins); scale = super x
+  sub, exact in fp32 (`expand_compact`).
 - q8: `w` int8 [N, K], `scales` fp16 (or fp32) [N, K/g]; value = scale * q. GGUF Q8_0
   (g = 32), Q6_K (g = 16, fp32 scales, q - 32), int8 per output channel (g = K).
 
@@ -46,10 +48,26 @@ MAX_KERNEL_ROWS = MappingProxyType({4: 32, 8: 128})
 BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
 
 
+def groups_of(scales: torch.Tensor) -> int:
+    """Groups a row of this scales field covers (compact: G bytes, then G/8 fp32)."""
+    return scales.shape[-1] * 2 // 3 if scales.dtype == torch.uint8 else scales.shape[-1]
+
+
+def expand_compact(field: torch.Tensor) -> torch.Tensor:
+    """Q4_K's scales (or mins) as stored, uint8 [..., G + G/2]: fp32 [..., G], each a
+    super-block's fp32 scale times its 8 sub-blocks' 6-bit ones (exact)."""
+    g = groups_of(field)
+    sub = field[..., :g].float().unflatten(-1, (g // 8, 8))
+    sup = field[..., g:].contiguous().view(torch.float32).unsqueeze(-1)
+    return (sub * sup).flatten(-2)
+
+
 def dequantize_q4_ref(
     w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """q4 blocks [..., K/2] -> values [..., K] in `dtype`, computed in fp32."""
+    if scales.dtype == torch.uint8:
+        scales, mins = expand_compact(scales), expand_compact(mins)
     lead, half = w.shape[:-1], w.shape[-1]
     runs = w.reshape(*lead, half // (RUN // 2), 1, RUN // 2)
     # Low nibbles then high ones, as one broadcast shift (Inductor fuses it; a stack of two
@@ -95,6 +113,15 @@ def _kernel() -> ctypes.CDLL | None:
     return lib
 
 
+# Scale dtypes the kernel reads (uint8: q4's compact K-quant scales), and their flag bits.
+_SCALE_DTYPES = {True: (torch.float16, torch.float32, torch.uint8),
+                 False: (torch.float16, torch.float32)}  # fmt: skip
+
+
+def _scale_flags(scales: torch.Tensor) -> int:
+    return 4 * int(scales.dtype == torch.float32) | 16 * int(scales.dtype == torch.uint8)
+
+
 def _dequantize_native(
     w: torch.Tensor, fields: tuple[torch.Tensor, ...], dtype: torch.dtype, split: bool = False
 ) -> torch.Tensor | None:
@@ -108,15 +135,15 @@ def _dequantize_native(
         or dtype not in (torch.float32, torch.bfloat16)
         or k % RUN
         or any(t.device.type != "cpu" or not t.is_contiguous() for t in (w, *fields))
-        or any(t.dtype not in (torch.float16, torch.float32) for t in fields)
+        or any(t.dtype not in _SCALE_DTYPES[q4] for t in fields)
         or len({t.dtype for t in fields}) != 1
         or (lib := _kernel()) is None
     ):
         return None
-    n, groups = w.shape[0], fields[0].shape[-1]
+    n, groups = w.shape[0], groups_of(fields[0])
     split = split and dtype == torch.bfloat16
     out = torch.empty(n, 2 * k if split else k, dtype=dtype)
-    flags = int(dtype == torch.bfloat16) | 4 * int(fields[0].dtype == torch.float32) | 8 * split
+    flags = int(dtype == torch.bfloat16) | 8 * split | _scale_flags(fields[0])
     args = (w, *fields, out, flags, n, k, k // groups, torch.get_num_threads())
     region = lib.dequantize_q4_region if q4 else lib.dequantize_q8_region
     region(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
@@ -161,7 +188,7 @@ def _product_call(
 ) -> NativeCall | None:  # fmt: skip
     """The kernel's call for y = x @ dequantize(w, *fields)^T (+ bias), or None where it
     does not apply (a GPU, another dtype, a strided input, many rows, no compiler)."""
-    groups, bits = fields[0].shape[-1], 4 if len(fields) == 2 else 8
+    groups, bits = groups_of(fields[0]), 4 if len(fields) == 2 else 8
     tensors = (x, w, *fields, y) + (() if bias is None else (bias,))
     floats = (torch.float32, torch.bfloat16)
     if (
@@ -171,7 +198,7 @@ def _product_call(
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)
-        or any(f.dtype not in (torch.float16, torch.float32) for f in fields)
+        or any(f.dtype not in _SCALE_DTYPES[bits == 4] for f in fields)
         or len({f.dtype for f in fields}) != 1
         or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
         or (lib := _kernel()) is None
@@ -180,7 +207,7 @@ def _product_call(
     m, k = x.shape
     n = w.shape[0]
     flags = int(x.dtype == torch.bfloat16) | 2 * int(y.dtype == torch.bfloat16)
-    flags |= 4 * int(fields[0].dtype == torch.float32)
+    flags |= _scale_flags(fields[0])
     args = (x, flags, w, *fields, 0 if bias is None else bias, y, m, n, k, k // groups)
     team, region = getattr(lib, f"{name}_team"), getattr(lib, f"{name}_region")
     return NativeCall(
