@@ -82,6 +82,17 @@ struct CompactScales {
   }
 };
 
+// Rows [n, n + count) of a call's scales (or mins): a pointer into stored ones, or compact
+// ones (S = float, `base` their address) decoded into buf.
+template <bool Compact, typename S>
+inline const S* scale_rows(const S* base, int64_t groups, int64_t n, int64_t count,
+                           float* buf) {
+  if constexpr (Compact)
+    return CompactScales{reinterpret_cast<const uint8_t*>(base), groups}.rows(n, count, buf);
+  else
+    return base + n * groups;
+}
+
 inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
   if (!bf) {
     std::memcpy(out, x, n * sizeof(float));
@@ -601,12 +612,6 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   float* extra = xf + M * x_floats;
   float* scale_buf = extra + M * per_row + strip_floats;  // compact rows decoded
   float* min_buf = scale_buf + TILE_N * groups;
-  auto rows_of = [&](const S* base, int64_t n, int64_t count, float* buf) -> const S* {
-    if constexpr (Compact)
-      return CompactScales{reinterpret_cast<const uint8_t*>(base), groups}.rows(n, count, buf);
-    else
-      return base + n * groups;
-  };
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
 #if CC_INT8_PATH
   auto quant_row = [&](int64_t m) {
@@ -646,8 +651,9 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     for (int64_t strip = sb; strip < se; ++strip) {  // (chunks of x kept in L2: no faster)
       const int64_t n0 = strip * TILE_N;
       pack_strip<Q4>(static_cast<const char*>(w) + n0 * row_bytes,
-                     rows_of(scales, n0, TILE_N, scale_buf),
-                     Q4 ? rows_of(mins, n0, TILE_N, min_buf) : nullptr, K, groups, st);
+                     scale_rows<Compact>(scales, groups, n0, TILE_N, scale_buf),
+                     Q4 ? scale_rows<Compact>(mins, groups, n0, TILE_N, min_buf) : nullptr, K,
+                     groups, st);
       for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
         float out[STRIP_MB * TILE_N];
         const float* sums[STRIP_MB];
@@ -664,7 +670,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t begin = tiled + tb, end = tiled + te;
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
-    const S *s = rows_of(scales, n, 1, scale_buf), *mn = Q4 ? rows_of(mins, n, 1, min_buf) : nullptr;
+    const S* s = scale_rows<Compact>(scales, groups, n, 1, scale_buf);
+    const S* mn = Q4 ? scale_rows<Compact>(mins, groups, n, 1, min_buf) : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
@@ -768,13 +775,9 @@ void dequantize_team(const void* w, const S* scales, const S* mins, void* out, i
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
     float* dst = bf ? row : static_cast<float*>(out) + n * K;
-    if constexpr (Compact) {
-      const CompactScales s{static_cast<const uint8_t*>(static_cast<const void*>(scales)), groups};
-      const CompactScales mn{static_cast<const uint8_t*>(static_cast<const void*>(mins)), groups};
-      dequantize_row<Q4>(wrow, s.rows(n, 1, scale_buf), mn.rows(n, 1, min_buf), K, g, dst);
-    } else {
-      dequantize_row<Q4>(wrow, scales + n * groups, Q4 ? mins + n * groups : nullptr, K, g, dst);
-    }
+    dequantize_row<Q4>(wrow, scale_rows<Compact>(scales, groups, n, 1, scale_buf),
+                       Q4 ? scale_rows<Compact>(mins, groups, n, 1, min_buf) : nullptr, K, g,
+                       dst);
     if (!bf) continue;
     bf16* y = static_cast<bf16*>(out) + n * K * (split ? 2 : 1);
     for (int64_t k = 0; k < K; ++k) y[k] = to_bf16(row[k]);
