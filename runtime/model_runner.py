@@ -39,8 +39,9 @@ MAX_CAPTURE_TRIES = 3
 # cost compute: at 9-16 rows the products are compute-bound). Measured in NOTES section 27.
 CPU_GRAPH_MAX_BATCH = 16
 # Larger decode batches record graphs at these sizes, a batch padded up to the next one
-# where that adds at most 1/8 of its rows (a 64-row Q8_0 step ran 1.12x faster end to end
-# as a graph than piece by piece, NOTES section 50; padding costs compute at these sizes).
+# where that adds at most 1/8 of its rows (64 x (128 + 128) on the Q8_0 file ran 1.09x
+# faster end to end with a graph at 64 than piece by piece, benchmarks/ab_cpu_graph_sizes.py,
+# NOTES section 50; padding costs compute at these sizes).
 CPU_GRAPH_LARGE_SIZES = (24, 32, 40, 48, 56, 64)
 CPU_GRAPH_MAX_PAD = 1 / 8
 
