@@ -45,7 +45,11 @@ LONG_PROMPT = [3 + (i * 37) % 500 for i in range(300)]  # in 5 chunks of 64
 
 
 class StepFailed(AssertionError):
-    pass
+    """A step's check failed; `result` keeps what it measured for the report."""
+
+    def __init__(self, message: str, result: dict | None = None):
+        super().__init__(message)
+        self.result = result or {}
 
 
 @dataclass
@@ -213,19 +217,33 @@ def _replays(device: str) -> int:
     return c.num_cudagraph_replays if device == "cuda" else c.num_cpu_graph_replays
 
 
+def _full_replays() -> int:
+    from compilecore.counters import compilation_counter as c
+
+    return c.num_full_cudagraph_replays
+
+
 def step_graphs_vs_eager(check: Check) -> dict:
+    """Batch-1 decode: eager, the default graphs (full decode graphs on a GPU) and, on a
+    GPU, piecewise graphs alone: the numbers that choose `cudagraph_mode`'s default."""
     prompt, tokens = PROMPTS[2], 64
     eager = decode_speed(check.llm("device eager", enforce_eager=True), prompt, tokens, 3)
-    before = _replays(check.device)
+    before, full_before = _replays(check.device), _full_replays()
     graphs = decode_speed(check.llm("device"), prompt, tokens, 3)
     replays = _replays(check.device) - before
-    ratio = graphs / eager
-    result = {"eager_tok_s": eager, "graphs_tok_s": graphs, "ratio": ratio, "target": 2.0,
-              "replays": replays}  # fmt: skip
-    if replays == 0:  # a speed without replays measures something else
-        raise StepFailed(f"no graph replayed in 4 x {tokens} decode steps: {result}")
-    if not check.dry_run and ratio < 2.0:
-        raise StepFailed(f"graphs {ratio:.2f}x eager at batch 1 (target 2x): {result}")
+    full = _full_replays() - full_before
+    result = {"eager_tok_s": eager, "graphs_tok_s": graphs, "ratio": graphs / eager,
+              "target": 2.0, "replays": replays, "full_replays": full}  # fmt: skip
+    if not check.dry_run:
+        pieces = check.llm("device piecewise", compilation_config={"cudagraph_mode": "PIECEWISE"})
+        result["piecewise_tok_s"] = decode_speed(pieces, prompt, tokens, 3)
+        result["full_over_piecewise"] = graphs / result["piecewise_tok_s"]
+        if full == 0:
+            raise StepFailed("no full decode graph replayed (cudagraph_mode default)", result)
+    if replays + full == 0:  # a speed without replays measures something else
+        raise StepFailed(f"no graph replayed in 4 x {tokens} decode steps", result)
+    if not check.dry_run and result["ratio"] < 2.0:
+        raise StepFailed(f"graphs {result['ratio']:.2f}x eager at batch 1 (target 2x)", result)
     return result
 
 
@@ -234,9 +252,9 @@ def step_chunked_prefill(check: Check) -> dict:
     to eager's in one chunk: the staging buffers are rewritten between chunk steps that do
     not sample (issue 42 item 1's race), and decode steps after it replay graphs."""
     want = long_greedy(check.llm("device eager", enforce_eager=True))
-    before = _replays(check.device)
+    before = _replays(check.device) + _full_replays()
     got = long_greedy(check.llm("device chunked", max_num_batched_tokens=64))
-    replays = _replays(check.device) - before
+    replays = _replays(check.device) + _full_replays() - before
     if got != want:
         raise StepFailed(f"chunked prefill with graphs: {got} vs eager {want}")
     if replays == 0:
@@ -291,20 +309,45 @@ def step_times(llm, prompt: list[int], steps: int) -> dict:
     return {name: round(1e3 * t / steps, 3) for name, t in times.items()}
 
 
+def kernel_times(llm, prompt: list[int], steps: int) -> dict:
+    """Where a decode step's device time goes: microseconds per step of the kernels that
+    took most (torch.profiler over one greedy request of `steps` tokens), and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], params, use_tqdm=False)
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / steps
+    top = {e.key[:70]: round(e.self_device_time_total / steps, 1) for e in events[:8]}
+    return {"device_us_per_step": round(total, 1), "top_us_per_step": top}
+
+
 def step_decode_bandwidth(check: Check) -> dict:
     check.drop()  # the 1B model wants the memory
     bandwidth = copy_bandwidth(check.device, (2 << 30) if check.device == "cuda" else 256 << 20)
     # A dry run's "big" model is the small one's twin in its dtype: its compile then hits
     # the Inductor cache the small one filled (~10 s of the suite).
-    llm = check.llm("big", model="big", **({} if check.dry_run else {"dtype": "bfloat16"}))
-    speed = decode_speed(llm, PROMPTS[2], 128 if not check.dry_run else 32, 3)
-    share = weight_bytes(llm) * speed / 1e9 / bandwidth
-    host_ms = step_times(llm, PROMPTS[1], 64 if not check.dry_run else 16)
-    check.drop()
-    result = {"tok_s": speed, "copy_GB_s": bandwidth, "of_copy": share, "target": 0.85,
-              "ms_per_step": host_ms}  # fmt: skip
+    dtype = {} if check.dry_run else {"dtype": "bfloat16"}
+    result: dict = {"copy_GB_s": bandwidth, "target": 0.85}
+    # The default mode (full decode graphs on a GPU), then piecewise graphs alone.
+    modes = ["default"] if check.dry_run else ["default", "PIECEWISE"]
+    for mode in modes:
+        cc = {} if mode == "default" else {"compilation_config": {"cudagraph_mode": mode}}
+        llm = check.llm(f"big {mode}", model="big", **dtype, **cc)
+        speed = decode_speed(llm, PROMPTS[2], 128 if not check.dry_run else 32, 3)
+        share = weight_bytes(llm) * speed / 1e9 / bandwidth
+        host_ms = step_times(llm, PROMPTS[1], 64 if not check.dry_run else 16)
+        result[mode] = {"tok_s": speed, "of_copy": share, "ms_per_step": host_ms}
+        if check.device == "cuda" and mode == "default":
+            result[mode]["kernels"] = kernel_times(llm, PROMPTS[1], 32)
+        check.drop()
+    share = result["default"]["of_copy"]
     if not check.dry_run and share < 0.85:
-        raise StepFailed(f"batch-1 decode at {share:.0%} of copy bandwidth (target 85%)")
+        raise StepFailed(f"batch-1 decode at {share:.0%} of copy bandwidth (target 85%)", result)
     return result
 
 
@@ -352,7 +395,7 @@ def write_summary(out: Path, rows: list[dict], device: str) -> None:
     lines = [f"# Device check on {device}", "", "| step | status | seconds | detail |",
              "|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        detail = json.dumps(r["detail"], default=str)[:300].replace("|", "/")
+        detail = json.dumps(r["detail"], default=str)[:1200].replace("|", "/")
         lines.append(f"| {r['step']} | {r['status']} | {r['seconds']:.1f} | {detail} |")
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
@@ -380,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             try:
                 status, detail = "ok", fn(check)
-            except StepFailed as e:
-                status, detail = "failed", str(e)
+            except StepFailed as e:  # what it measured stays in the report
+                status, detail = "failed", {"failure": str(e), **e.result}
             except Exception as e:  # a crash is a failed step too, with where it happened
                 status, detail = "error", "".join(traceback.format_exception(e)[-3:])
             rows.append({"step": step, "status": status, "seconds": time.perf_counter() - start,

@@ -173,6 +173,9 @@ def resolve_custom_passes(specs: Any) -> list[Any]:
     return resolved
 
 
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
 @dataclass
 class CompilationConfig:
     # "none": plain eager module; "piecewise": traced once, cut at attention, compiled.
@@ -186,6 +189,10 @@ class CompilationConfig:
     # On CPU, decode-only batches pad up to the next compile size and replay its graph.
     compile_sizes: list[int] | None = None
     cudagraph_capture_sizes: list[int] | None = None
+    # vLLM's CUDAGraphMode by name (compilecore/cuda_graph.py): "PIECEWISE",
+    # "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE" or "NONE". Full graphs need one process and
+    # an attention backend with fixed launches (Triton); elsewhere they fall back to pieces.
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
     # CPU only: record each decode-only step at a graph size once and replay its native
     # calls with no Python between kernels (compilecore/cpu_graph.py).
     cpu_graphs: bool = True
@@ -225,6 +232,11 @@ class CompilationConfig:
         if self.mode not in ("none", "piecewise"):
             raise ValueError(
                 f"compilation_config.mode must be 'none' or 'piecewise', got {self.mode!r}"
+            )
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(
+                f"compilation_config.cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}"
+                f", got {self.cudagraph_mode!r}"
             )
         for name in ("compile_sizes", "cpu_graph_sizes"):
             for size in getattr(self, name) or []:

@@ -21,6 +21,8 @@ class CompilationCounter:
     num_recompiles: int = 0  # Dynamo traces beyond the first of a model (debug mode raises)
     num_cudagraph_captured: int = 0
     num_cudagraph_replays: int = 0  # piece replays (a CUDA graph step replays each piece)
+    num_full_cudagraph_captured: int = 0  # whole decode steps captured (cudagraph_mode FULL*)
+    num_full_cudagraph_replays: int = 0
     num_cpu_graph_replays: int = 0  # whole decode steps replayed from a recorded CPU graph
     num_warm_starts: int = 0  # forwards started from a saved recipe, without Dynamo
 

@@ -1,6 +1,11 @@
-"""CUDA graphs per padded token count, one wrapper around each compiled piece.
+"""CUDA graphs per padded token count: one wrapper around each compiled piece
+(piecewise), and whole decode steps with attention inside (full).
 
-On a CUDA device, the first call of a piece at a size in `cudagraph_capture_sizes`
+`cudagraph_mode` (vLLM's names): "PIECEWISE" captures the pieces between attention calls;
+"FULL_DECODE_ONLY" captures each decode-only step whole (`FullCudaGraph`) and runs other
+steps piece by piece without graphs; "FULL_AND_PIECEWISE" does both; "NONE" neither.
+
+Piecewise: on a CUDA device, the first call of a piece at a size in `cudagraph_capture_sizes`
 during start-up (the runner's capture phase) runs once to warm up and is then captured
 into a graph in one memory pool shared by all pieces; later calls at that size replay
 it. The runner pads each batch to the next capture size and runs eagerly above the
@@ -25,6 +30,14 @@ from compilecore.recipe import weights_version
 logger = logging.getLogger("compilecore")
 
 _GRAPH_POOL: Any = None
+
+
+def piecewise_graphs(mode: str) -> bool:
+    return mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
+
+
+def full_decode_graphs(mode: str) -> bool:
+    return mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
 def graph_pool() -> Any:
@@ -83,7 +96,11 @@ class CUDAGraphWrapper:
         self.index = index
         self.token_dim = token_dim
         cc = engine_config.compilation_config
-        self.enabled = engine_config.device.type == "cuda" and bool(cc.cudagraph_capture_sizes)
+        self.enabled = (
+            engine_config.device.type == "cuda"
+            and bool(cc.cudagraph_capture_sizes)
+            and piecewise_graphs(cc.cudagraph_mode)
+        )
         self.sizes = set(cc.cudagraph_capture_sizes or [])
         self.debug = cc.debug
         self.entries: dict[int, _Entry] = {}
@@ -97,11 +114,14 @@ class CUDAGraphWrapper:
     def __call__(self, *args: Any) -> Any:
         if not self.enabled:
             return self.runnable(*args)
+        extras = get_forward_context().extras if is_forward_context_available() else {}
+        if extras.get("full_graph"):  # inside a whole step's capture: no graph in a graph
+            return self.runnable(*args)
         n = self._num_tokens(args)
         entry = self.entries.get(n)
         if entry is not None:
             return self._replay(entry, args)
-        capturing = is_forward_context_available() and get_forward_context().extras.get("capturing")
+        capturing = extras.get("capturing")
         if n not in self.sizes or not capturing:
             return self.runnable(*args)
         return self._capture(n, args)
@@ -141,3 +161,25 @@ class CUDAGraphWrapper:
                     "new weights in place (copy_) or build the engine again"
                 )
         entry.weights_version = weights_version()
+
+
+class FullCudaGraph:
+    """One decode step captured whole: the pieces, attention between them and the LM
+    head, replayed as one graph (one launch from the host where piecewise graphs launch
+    each piece and attention's kernels layer by layer). The step must read every input
+    from persistent buffers and launch a fixed grid: the runner pads the batch to the
+    capture size and gives attention the model's longest context to size its KV splits
+    (the kernels read each sequence's real length on the device)."""
+
+    def __init__(self, step: Callable[[], torch.Tensor]):
+        step()  # warm-up: lazy initialisation and Triton's compiles must not be captured
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=graph_pool()):
+            self.output = step()
+        compilation_counter.num_full_cudagraph_captured += 1
+
+    def replay(self) -> torch.Tensor:
+        """The step's output, in the same tensor every time (read it before the next)."""
+        self.graph.replay()
+        compilation_counter.num_full_cudagraph_replays += 1
+        return self.output

@@ -211,11 +211,21 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_count_regis
 torch.nn.modules.module.register_module_buffer_registration_hook(_count_registration)
 
 
-def mark_weights_changed() -> None:
+def mark_weights_changed(module: torch.nn.Module | None = None) -> None:
     """Weights were written where no version counter sees it (through `.data`, a reload):
-    graphs and everything derived from the weights are made again before their next use."""
-    _MARKS[0] += 1
+    graphs and everything derived from the weights are made again before their next use.
+    With `module`, only that model's graphs: a new engine loading its own weights leaves
+    every other engine's graphs alone (a CUDA engine would otherwise capture again)."""
+    if module is None:
+        _MARKS[0] += 1
+    else:
+        module._compilecore_marks = module_marks(module) + 1
     derived.weights_written()
+
+
+def module_marks(module: torch.nn.Module) -> int:
+    """`mark_weights_changed(module)` calls on this module."""
+    return module.__dict__.get("_compilecore_marks", 0)
 
 
 def note_weights_seen_changed() -> None:

@@ -9,7 +9,8 @@ What it notices, per parameter and buffer: the object replaced (`module.weight =
 any write through torch to the tensor or a view of it (`copy_`, `load_state_dict`,
 arithmetic under `torch.no_grad()`: the tensor's version counter). A write through the
 `.data` alias (`p.data.copy_(t)`) moves no counter (torch does not track it, by design):
-after one, call `mark_weights_changed()` (`load_weights` does).
+after one, call `mark_weights_changed(model)` (`load_weights` does), or
+`mark_weights_changed()` for every model.
 
 Each watch looks at its own model only: one engine's edits never make another engine
 record its graphs again (with a shared count, two engines stepping in one process would
@@ -22,7 +23,7 @@ import operator
 
 import torch
 
-from compilecore.recipe import marks, note_weights_seen_changed, registrations
+from compilecore.recipe import marks, module_marks, note_weights_seen_changed, registrations
 
 _VERSION = operator.attrgetter("_version")
 
@@ -33,7 +34,7 @@ class WeightWatch:
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.marks = marks()
+        self.marks = self._marks()
         self._collect()
 
     def _collect(self) -> None:
@@ -61,6 +62,9 @@ class WeightWatch:
             changed, self.state = state != self.state, state
         if changed:
             note_weights_seen_changed()
-        if self.marks != marks():
-            self.marks, changed = marks(), True
+        if self.marks != self._marks():
+            self.marks, changed = self._marks(), True
         return changed
+
+    def _marks(self) -> tuple[int, int]:
+        return marks(), module_marks(self.module)

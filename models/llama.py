@@ -370,7 +370,7 @@ class LlamaForCausalLM(nn.Module, SupportsPP, SupportsTP):
                 loaded.add(name)
             else:
                 shards.setdefault(name, set()).add(shard_id)
-        mark_weights_changed()  # a reload in place: graphs read packed copies made before
+        mark_weights_changed(self)  # a reload in place: graphs read packed copies made before
         return loaded | self._complete_stacked(shards)
 
     def _complete_stacked(self, shards: dict[str, set]) -> set[str]:

@@ -23,6 +23,7 @@ from compilecore import cpu_graph
 from compilecore.compile_cache import compile_cache_root
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
+from compilecore.cuda_graph import FullCudaGraph, full_decode_graphs, piecewise_graphs
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from compilecore.weight_watch import WeightWatch
@@ -187,7 +188,11 @@ class ModelRunner:
         self._staged = torch.cuda.Event() if self.staging is not None else None
         cc = engine_config.compilation_config
         graphs = self.device.type == "cuda" and cc.mode != "none"
-        self.capture_sizes = sorted(cc.cudagraph_capture_sizes or []) if graphs else []
+        sizes = sorted(cc.cudagraph_capture_sizes or []) if graphs else []
+        # The pieces pad to their capture sizes; decode-only steps to the full graphs'.
+        self.capture_sizes = sizes if piecewise_graphs(cc.cudagraph_mode) else []
+        self.full_graph_sizes = sizes if self._full_graphs_possible(attn_backend) else []
+        self.full_graphs: dict[int, FullCudaGraph] = {}
         # CPU graphs: decode-only steps at a size with static code, one process, compiled.
         cpu_graphs = (
             self.device.type == "cpu"
@@ -216,6 +221,24 @@ class ModelRunner:
         self._argmax_setters = [
             m.set_argmax_only for m in model.modules() if isinstance(m, LogitsProcessor)
         ]
+
+    def _full_graphs_possible(self, attn_backend: Any) -> bool:
+        cc = self.config.compilation_config
+        if (
+            self.device.type != "cuda"
+            or cc.mode == "none"
+            or not full_decode_graphs(cc.cudagraph_mode)
+        ):
+            return False
+        why = None
+        if self.config.parallel_config.world_size > 1:
+            why = "more than one process (the collectives are not captured yet)"
+        elif not getattr(attn_backend, "supports_full_cudagraph", False):
+            why = f"the {getattr(attn_backend, 'name', attn_backend)} attention backend"
+        if why:
+            logger.info("cudagraph_mode %s: no full decode graphs with %s; piecewise only",
+                        cc.cudagraph_mode, why)  # fmt: skip
+        return why is None
 
     @property
     def attention_layers(self) -> dict[str, nn.Module]:
@@ -295,8 +318,9 @@ class ModelRunner:
         rank 0 (the driver), None elsewhere."""
         if self.weight_watch.check():  # a weight moved: record again
             self.cpu_graphs.clear()
-        size = self._cpu_graph_size(plan)
-        graph = self.cpu_graphs.get(size) if size is not None else None
+            if self.full_graphs:
+                self.capture_full_graphs()
+        size, graph = self._whole_step_graph(plan)
         # Only for this step: whoever computes logits next (a test, a tool) gets them all.
         self._set_argmax_only(plan.argmax_only)
         try:
@@ -305,10 +329,11 @@ class ModelRunner:
                 # mode's guard: right after the weights have streamed through the caches
                 # each such call costs tens of microseconds (benchmarks/NOTES.md, section 30).
                 self._write_inputs(pad_decode_plan(plan, size), logits_rows=False)
-                compilation_counter.num_cpu_graph_replays += 1
+                if self.device.type == "cpu":
+                    compilation_counter.num_cpu_graph_replays += 1
                 logits = graph.replay()
                 return logits if size == plan.num_tokens else logits[: plan.num_tokens]
-            return self._execute(plan, size)
+            return self._execute(plan, size if self.device.type == "cpu" else None)
         finally:
             self._set_argmax_only(False)
 
@@ -351,6 +376,18 @@ class ModelRunner:
             )
         full = self._pp_buffers
         return type(full)({k: v[:n] for k, v in full.tensors.items()})
+
+    def _whole_step_graph(self, plan: StepPlan) -> tuple[int | None, Any]:
+        """The decode-only step's graph size and graph (a full CUDA graph or a CPU
+        graph; None before a CPU graph's first step and where there is none)."""
+        if self.full_graph_sizes:
+            n = plan.num_tokens
+            if plan.num_decodes != n or len(plan.logits_rows) != n:
+                return None, None
+            size = next((s for s in self.full_graph_sizes if s >= n), None)
+            return size, self.full_graphs.get(size)
+        size = self._cpu_graph_size(plan)
+        return size, self.cpu_graphs.get(size) if size is not None else None
 
     def _cpu_graph_size(self, plan: StepPlan) -> int | None:
         """The CPU-graph size for a decode-only step: its batch, padded up to the next
@@ -470,6 +507,29 @@ class ModelRunner:
             time.perf_counter() - start,
             used / 2**20,
         )
+
+    @torch.inference_mode()
+    def capture_full_graphs(self) -> None:
+        """Capture each decode-only step size whole, largest first (CUDA, after the KV
+        cache exists: the graphs hold its address). Padding sequences decode at position
+        0 and write nowhere; attention sizes its KV splits for the longest context."""
+        if not self.full_graph_sizes:
+            return
+        start = time.perf_counter()
+        self.full_graphs.clear()
+        for size in sorted(self.full_graph_sizes, reverse=True):
+            _, meta = self._load(pad_decode_plan(StepPlan(), size))
+            meta.max_seq_len = self.config.model_config.max_model_len
+
+            def step(size: int = size, meta: AttentionMetadata = meta) -> torch.Tensor:
+                with set_forward_context(meta, self.config, full_graph=True):
+                    out = self.model(self.input_ids[:size], self.positions[:size], None)
+                    return self.model.compute_logits(out[:size])
+
+            self.full_graphs[size] = FullCudaGraph(step)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured full decode graphs for %d sizes in %.1f s",
+                    len(self.full_graphs), time.perf_counter() - start)  # fmt: skip
 
     def _dummy_metadata(self, n: int) -> AttentionMetadata:
         """One sequence of n new tokens over block 0, writing nowhere: shapes for capture."""

@@ -151,10 +151,11 @@ class Worker:
         return self.kv_budget_bytes() // max(1, self.runner.kv_cache_bytes_per_block())
 
     def init_cache(self, num_blocks: int) -> None:
-        """Compile, profile and capture (if num_kv_blocks did not already), then
-        allocate the KV cache."""
+        """Compile, profile and capture the pieces (if num_kv_blocks did not already),
+        allocate the KV cache, then capture whole decode steps (they hold its address)."""
         self.prepare()
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_full_graphs()
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         return self.runner.execute(plan)

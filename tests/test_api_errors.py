@@ -83,6 +83,7 @@ def test_kv_budget_too_small_says_what_is_needed(tiny_llama):
         ({"max_model_len": 100000}, "exceeds the model's max_position_embeddings=512"),
         ({"dtype": "int8"}, "dtype='int8' is not supported"),
         ({"compilation_config": {"bogus": 1}}, "unknown fields"),
+        ({"compilation_config": {"cudagraph_mode": "FULL"}}, "one of NONE, PIECEWISE, FULL_DEC"),
     ],
 )
 def test_bad_engine_arguments(tiny_llama, kwargs, match):

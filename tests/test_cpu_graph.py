@@ -581,3 +581,19 @@ def test_two_engines_stepping_on_two_threads_each_get_their_solo_results(compile
         assert all(got == alone[name] for got in together[name]), name
     assert compiled.llm_engine.runner.cpu_graphs.get(1) is not None
     assert other.llm_engine.runner.cpu_graphs.get(1) is not None
+
+
+def test_marking_one_models_weights_leaves_other_models_graphs_alone():
+    """`load_weights` marks its own model: a second engine loading its checkpoint must not
+    make the first record (on a GPU: capture) its graphs again; an unattributed mark
+    still reaches every model."""
+    from compilecore.recipe import mark_weights_changed
+    from compilecore.weight_watch import WeightWatch
+
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    watch_first, watch_second = WeightWatch(first), WeightWatch(second)
+    mark_weights_changed(second)
+    assert not watch_first.check() and watch_second.check()
+    assert not watch_second.check()  # seen once
+    mark_weights_changed()
+    assert watch_first.check() and watch_second.check()

@@ -29,9 +29,11 @@ def graphed(tiny_llama, tmp_path_factory):
 
 @gpu
 def test_captured_graphs_per_size_and_piece(graphed, tiny_llama):
-    _, captured = graphed
+    llm, captured = graphed
     layers = tiny_llama[1].config.num_hidden_layers
     assert captured == len(SIZES) * (layers + 1)
+    # The default mode (FULL_AND_PIECEWISE) captures each decode size whole as well.
+    assert sorted(llm.llm_engine.runner.full_graphs) == SIZES
 
 
 @gpu
@@ -44,10 +46,37 @@ def test_replay_equals_eager_across_padded_sizes(graphed, tiny_llama):
     prompts = [[3 + i, 7, 11 + i] for i in range(5)] + [list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for batch in (prompts[:3], prompts[:5], prompts):
-        with compilation_counter.expect(num_cudagraph_captured=0):  # no capture after start-up
+        before = compilation_counter.num_full_cudagraph_replays
+        with compilation_counter.expect(num_cudagraph_captured=0, num_full_cudagraph_captured=0):
             got = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
         want = [o.outputs[0].token_ids for o in eager.generate(batch, params, use_tqdm=False)]
         assert got == want
+        # Each batch decodes 11 steps after its prefill; those replay whole-step graphs.
+        assert compilation_counter.num_full_cudagraph_replays - before >= 11
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_DECODE_ONLY"])
+def test_each_cudagraph_mode_equals_eager(tiny_llama, mode):
+    """Piecewise graphs alone, and full decode graphs with mixed steps run piece by piece
+    without graphs, against eager; a long prompt in chunks mixes decodes and prefills."""
+    budget = dict(kv_cache_memory=128 * 2**20, max_num_batched_tokens=32)
+    llm = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", **budget,
+              compilation_config={"cudagraph_capture_sizes": [1, 2, 4], "cudagraph_mode": mode})
+    eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True, **budget)
+    prompts = [[3, 7, 11], [5, 9], list(range(20, 90))]  # the last one in chunks of 32
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runner = llm.llm_engine.runner
+    full = compilation_counter.num_full_cudagraph_replays
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    replayed = compilation_counter.num_full_cudagraph_replays - full
+    if mode == "PIECEWISE":
+        assert runner.full_graphs == {} and replayed == 0
+    else:
+        assert runner.capture_sizes == [] and sorted(runner.full_graphs) == [1, 2, 4]
+        assert replayed > 0
 
 
 @gpu
@@ -70,8 +99,10 @@ def test_kv_cache_sized_after_profiling_and_capture(graphed):
     kv = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
     assert worker.own_use > 0 and kv > 0
     assert worker.own_use + kv + worker.activation_peak <= share * 1.02
+    # One step over the whole token budget (as far as the model's length allows).
     budget = engine.config.scheduler_config.max_num_batched_tokens
-    prompt = [5 + i % 90 for i in range(budget - 1)]  # one step over the whole token budget
+    longest = min(budget, engine.config.model_config.max_model_len - 2)
+    prompt = [5 + i % 90 for i in range(longest)]
     out = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
 

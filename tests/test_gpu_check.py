@@ -38,8 +38,8 @@ def test_dry_run_passes_every_step(tmp_path):
     assert steps["graphs_vs_eager"]["detail"]["replays"] == 4 * 63 - 1
     assert steps["chunked_prefill"]["detail"]["replays"] > 0
     assert steps["default_model_bf16"]["detail"]["tokens_compared"] > 0
-    assert steps["decode_bandwidth"]["detail"]["of_copy"] > 0
-    ms = steps["decode_bandwidth"]["detail"]["ms_per_step"]
+    assert steps["decode_bandwidth"]["detail"]["default"]["of_copy"] > 0
+    ms = steps["decode_bandwidth"]["detail"]["default"]["ms_per_step"]
     assert ms["step"] >= ms["model_call"] > 0 and ms["sampler"] > 0  # where a step's time goes
     assert abs(ms["step"] - ms["model_call"] - ms["sampler"] - ms["other"]) < 0.01
     assert "| passes_on_off | ok |" in (tmp_path / "gpu_check.md").read_text()

@@ -105,6 +105,26 @@ def test_split_kv_long_context():
     run_and_check(build_case(batch), TritonPagedAttentionBackend(num_splits=4), 1e-4)
 
 
+@interpreted
+@settings(max_examples=6, deadline=None)
+@given(
+    contexts=st.lists(st.integers(0, 60), min_size=1, max_size=3),
+    block=st.sampled_from([16, 32]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_launch_sized_for_the_longest_context(contexts, block, seed):
+    """A full decode graph captures attention with the model's longest context, so its
+    KV splits are fixed whatever the lengths at replay: splits past a sequence's end are
+    empty and the merge skips them; short contexts still equal dense attention."""
+    seqs = [(c, 1) for c in contexts]
+    batch = Batch(block_size=block, kv_heads=2, heads=4, head_size=64, seqs=seqs, padding=0,
+                  seed=seed)  # fmt: skip
+    case = build_case(batch)
+    case.meta.max_seq_len = 4096  # as FullCudaGraph's capture sets it (max_model_len)
+    assert choose_num_splits(len(seqs), 2, 4096, block) > 1
+    run_and_check(case, TritonPagedAttentionBackend(), 1e-4)
+
+
 def test_split_heuristic():
     assert choose_num_splits(1, 8, 8192, 16) > 1  # one decode over a long context: split
     assert choose_num_splits(256, 8, 8192, 16) == 1  # enough programs already

@@ -206,6 +206,9 @@ def _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head,
 
 class TritonPagedAttentionBackend:
     name = "triton"
+    # Capturable inside a whole-step CUDA graph: every per-step value is read on the
+    # device, and a decode launch is fixed by the batch size and `max_seq_len`.
+    supports_full_cudagraph = True
 
     def __init__(self, num_splits: int | None = None, prefill_tiles: bool = True):
         self.num_splits = num_splits  # None: chosen per step by choose_num_splits
