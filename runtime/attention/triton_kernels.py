@@ -43,7 +43,7 @@ def find_seq(query_start_loc_ptr, num_seqs, token):
 # Integers that change from step to step are not specialized: Triton compiles a variant
 # for a value of 1 and for one divisible by 16, and the CUDA graphs' capture warms only the
 # sizes it runs, so a new batch shape would otherwise compile (0.5-2 s) mid-serving.
-@triton.jit(do_not_specialize=["num_seqs", "blocks_per_split"])
+@triton.jit(do_not_specialize=["num_seqs"])
 def attention_kernel(
     q_ptr,
     kc_ptr,
@@ -58,7 +58,6 @@ def attention_kernel(
     q_stride,
     out_stride,
     table_stride,
-    blocks_per_split,
     NUM_KV: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_BLOCK: tl.constexpr,
@@ -66,6 +65,7 @@ def attention_kernel(
     HEAD_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
     SPLIT: tl.constexpr,
+    SPLIT_MIN: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,8 +89,16 @@ def attention_kernel(
     acc = tl.zeros([GROUP_BLOCK, HEAD_BLOCK], tl.float32)
 
     num_blocks = q_pos // BLOCK + 1
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, num_blocks)
+    if SPLIT:
+        # Each sequence spreads its own blocks over the launch's splits, at least SPLIT_MIN
+        # a split: read here, on the device, since a full CUDA graph's launch is fixed
+        # for the longest context while each replay's lengths differ.
+        per_split = tl.maximum(tl.cdiv(num_blocks, tl.num_programs(2)), SPLIT_MIN)
+        first = split * per_split
+        last = tl.minimum(first + per_split, num_blocks)
+    else:
+        first = 0
+        last = num_blocks
     offs = tl.arange(0, BLOCK)
     for b in range(first, last):
         block_id = tl.load(table_ptr + seq * table_stride + b).to(tl.int64)

@@ -70,6 +70,11 @@ def write_kv_cache_triton(
     )
 
 
+# The fewest tokens one split of a sequence's KV walk takes: shorter walks would cost
+# more in the merge than they save.
+SPLIT_MIN_TOKENS = 128
+
+
 def choose_num_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
     """Split the KV walk when few programs would each walk a long context."""
     programs = num_tokens * num_kv_heads
@@ -133,8 +138,6 @@ def _per_token_attention(
     block = kv_cache.shape[2]
     if num_splits is None:
         num_splits = choose_num_splits(n, num_kv_heads, meta.max_seq_len, block)
-    max_blocks = -(-meta.max_seq_len // block)
-    per_split = -(-max_blocks // num_splits)
     part = (
         q.new_empty((n, num_heads, num_splits, head + 2), dtype=torch.float32)
         if num_splits > 1
@@ -155,8 +158,8 @@ def _per_token_attention(
         q.stride(0),
         output.stride(0),
         table.stride(0),
-        per_split,
         SPLIT=num_splits > 1,
+        SPLIT_MIN=max(1, SPLIT_MIN_TOKENS // block),
         # Warps follow the [group, head] tile each program holds: an MHA head of 64 (one
         # query head per KV head) would leave half of 4 warps' lanes masked off.
         num_warps=4 if _next_pow2(num_heads // num_kv_heads) * _next_pow2(head) >= 512 else 2,
