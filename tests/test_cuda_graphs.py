@@ -61,8 +61,13 @@ def test_each_cudagraph_mode_equals_eager(tiny_llama, mode):
     """Piecewise graphs alone, and full decode graphs with mixed steps run piece by piece
     without graphs, against eager; a long prompt in chunks mixes decodes and prefills."""
     budget = dict(kv_cache_memory=128 * 2**20, max_num_batched_tokens=32)
-    llm = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", **budget,
-              compilation_config={"cudagraph_capture_sizes": [1, 2, 4], "cudagraph_mode": mode})
+    llm = LLM(
+        str(tiny_llama[0]),
+        device="cuda",
+        dtype="float32",
+        **budget,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4], "cudagraph_mode": mode},
+    )
     eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True, **budget)
     prompts = [[3, 7, 11], [5, 9], list(range(20, 90))]  # the last one in chunks of 32
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
