@@ -175,11 +175,16 @@ class FullCudaGraph:
         step()  # warm-up: lazy initialisation and Triton's compiles must not be captured
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=graph_pool()):
-            self.output = step()
+            output = step()
+        # Held weakly: the memory goes back to the shared pool, and the next (smaller)
+        # capture's logits reuse it. Held strongly, every size's logits would stay
+        # (sizes 1..256 x a 49152-token vocabulary in fp32: ~830 MB).
+        self.output = weak_ref_tensor(output)
         compilation_counter.num_full_cudagraph_captured += 1
 
     def replay(self) -> torch.Tensor:
-        """The step's output, in the same tensor every time (read it before the next)."""
+        """The step's output, in memory that other graphs of the pool reuse: read it
+        before the next replay of any graph."""
         self.graph.replay()
         compilation_counter.num_full_cudagraph_replays += 1
         return self.output
