@@ -54,8 +54,9 @@ class PassConfig:
     fuse_qkv_rope: bool | None = None
     fuse_allreduce_rms_norm: bool | None = None
     fuse_silu_and_mul: bool | None = None
-    # Products with block-quantized weights as `compilecore.q4_linear` / `q8_linear` (our
-    # C loop on the blocks; CPU, up to 16 static rows).
+    # Products with block-quantized weights as `compilecore.q4_linear` / `q8_linear`: our
+    # C loop on the blocks on CPU; on CUDA a Triton kernel (off there by default until a
+    # device run has timed it against Inductor's dequantize + GEMM).
     quantized_linear: bool | None = None
     # Dequantization ops left as the reference's plain ops, for Inductor to fuse.
     decompose_dequantize: bool | None = None

@@ -81,7 +81,7 @@ def build_passes(
         passes.append(SiluAndMulFusionPass(dtypes=dtypes("fuse_silu_and_mul")))
     # Quantized products first: the passes below would take a dequantized weight for a
     # plain one.
-    if switches["quantized_linear"] and context.device_type == "cpu":
+    if switches["quantized_linear"] and context.device_type in ("cpu", "cuda"):
         from passes.quantized_linear import QuantizedLinearPass
 
         passes.append(QuantizedLinearPass())

@@ -76,13 +76,13 @@ def _patterns(dtype: torch.dtype) -> list[tuple]:
     ]
 
 
-def _on_cpu(match, dtype: torch.dtype) -> bool:
+def _on_device(match, dtype: torch.dtype) -> bool:
     x = match.kwargs["x"].meta.get("val")
     return (
         dequantized_dtype(match) == dtype
         and isinstance(x, torch.Tensor)
         and x.dim() == 2
-        and x.device.type == "cpu"
+        and x.device.type in ("cpu", "cuda")
     )
 
 
@@ -92,7 +92,7 @@ class QuantizedLinearPass(PatternPass):
 
     def register(self) -> None:
         for dtype in DTYPES:
-            check = functools.partial(_on_cpu, dtype=dtype)
+            check = functools.partial(_on_device, dtype=dtype)
             for search, replace, example in _patterns(dtype):
                 register_replacement(
                     search, replace, example, trace_pattern, self.patterns, extra_check=check

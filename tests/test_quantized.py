@@ -5,6 +5,8 @@ at load against HF transformers on the same dequantized weights."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -544,3 +546,87 @@ def test_quantization_whose_groups_do_not_divide_a_layer_is_refused_up_front(tin
     with pytest.raises(ValueError, match=r"'int4_g128' cannot hold model\.layers\.0\.self_attn"
                                          r"\.qkv_proj .*groups of 128.*'int4'"):  # fmt: skip
         LLM(str(tiny_llama[0]), quantization="int4_g128", max_model_len=64)
+
+
+_interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (set without CUDA)"
+)
+
+
+def _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed, device="cpu"):
+    """(our Triton product, the reference) on one drawn case; fmt: "plain", "k_quant"
+    (Q4_K's compact fields / Q6_K's groups of 16) or "per_channel" (q8)."""
+    from passes.ops.triton_quant import quant_linear_triton
+
+    g = torch.Generator().manual_seed(seed)
+    k_quant = fmt == "k_quant"
+    k = 256 * runs if k_quant and bits == 4 else 32 * runs
+    group = k if fmt == "per_channel" and bits == 8 else 16 if k_quant and bits == 8 else 32
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    if bits == 4:
+        w, *fields = _q4_fields(g, n, k, k_quant=k_quant)
+        ref = quantized.q4_linear_ref
+    else:
+        w, *fields = _q8_fields(g, n, k, group, k_quant)
+        ref = quantized.q8_linear_ref
+    want = ref(x, w, *fields, b, out_dtype)
+    x, w, b = x.to(device), w.to(device), None if b is None else b.to(device)
+    fields = [f.to(device) for f in fields]
+    got = quant_linear_triton(x, w, tuple(fields), b, out_dtype)
+    if device == "cuda":  # the op dispatches CUDA tensors to the kernel
+        op = ops.q4_linear if bits == 4 else ops.q8_linear
+        assert torch.equal(op(x, w, *fields, b, out_dtype), got)
+    return got.cpu(), want
+
+
+def _assert_close_to_reference(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    tol = 1e-5 if want.dtype == torch.float32 else 2e-2  # a bf16 output's own rounding
+    scale = max(want.float().abs().max().item(), 1.0)
+    assert (got.float() - want.float()).abs().max().item() <= tol * scale
+
+
+@_interpreted
+@testing.settings(max_examples=20)
+@given(
+    rows=st.sampled_from([1, 2, 5, 16, 17, 40]), n=st.integers(1, 70), runs=st.integers(1, 4),
+    bits=st.sampled_from([4, 8]), fmt=st.sampled_from(["plain", "k_quant", "per_channel"]),
+    bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    fp32_out=st.booleans(), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_triton_products_equal_the_reference(rows, n, runs, bits, fmt, bias, dtype, fp32_out,
+                                             seed):  # fmt: skip
+    """The CUDA products' Triton kernel (under the interpreter here) against the
+    reference: each value rounded as the reference rounds its dequantized copy, fp32
+    sums; Q4_K's compact fields expanded in the kernel, Q6_K's groups of 16, whole-row
+    groups, tails of rows and columns, a bias, fp32 outputs from bf16 inputs."""
+    out_dtype = torch.float32 if fp32_out else None
+    got, want = _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed)
+    _assert_close_to_reference(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, fmt", [(4, "plain"), (4, "k_quant"), (8, "plain"), (8, "k_quant")])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_triton_products_on_cuda(bits, fmt, rows):
+    got, want = _triton_case(rows, 4096, 8, bits, fmt, False, torch.bfloat16, None, 0, "cuda")
+    _assert_close_to_reference(got, want)
+
+
+@pytest.mark.gpu
+def test_gguf_on_cuda_with_the_triton_products_equals_cpu(tiny_gguf):
+    """The tiny GGUF's greedy tokens on CUDA with the quantized-product pass on (its
+    Triton kernel inside the graphs) equal CPU's, in fp32."""
+    from runtime import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    tokens = {}
+    for device in ("cpu", "cuda"):
+        extra = {"kv_cache_memory": 64 << 20} if device == "cuda" else {}
+        llm = LLM(str(tiny_gguf[0]), device=device, dtype="float32", **extra,
+                  compilation_config={"passes": {"quantized_linear": True},
+                                      "cudagraph_capture_sizes": [1, 2]})  # fmt: skip
+        tokens[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert tokens["cuda"] == tokens["cpu"]

@@ -15,7 +15,8 @@ slice of each field, and a slice of input columns one of whole groups):
 
 Ops (namespace `compilecore`): `dequantize_q4`, `dequantize_q8` (what a quantized linear
 layer traces as: `mm(x, dequantize(...)^T)`, visible in every dump), and `q4_linear`,
-`q8_linear`: the product read straight from the blocks (`quant_kernels.cpp`), which
+`q8_linear`: the product read straight from the blocks (`quant_kernels.cpp` on CPU, a
+Triton kernel on CUDA: `triton_quant.py`), which
 `passes/quantized_linear.py` puts in place of that pair for a few static rows. Where
 no pass fires, `passes/decompose_dequantize.py` hands Inductor the reference's plain ops.
 """
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from passes import native, native_calls
 from passes.native_calls import NativeCall
+from passes.ops.triton_utils import HAS_TRITON
 
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # Rows up to which the products read the blocks directly (exact, bound by reading the
@@ -273,6 +275,18 @@ def q8_dense_product(x, w, scales, bias=None, out_dtype=None):
     return _product_ref(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
 
 
+def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None):
+    from passes.ops.triton_quant import quant_linear_triton
+
+    return quant_linear_triton(x, w, (scales, mins), bias, out_dtype)
+
+
+def q8_linear_cuda(x, w, scales, bias=None, out_dtype=None):
+    from passes.ops.triton_quant import quant_linear_triton
+
+    return quant_linear_triton(x, w, (scales,), bias, out_dtype)
+
+
 def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
 
@@ -307,8 +321,9 @@ _LIB.impl("dequantize_q4", dequantize_q4_ref, "CUDA")
 _LIB.impl("dequantize_q8", dequantize_q8_ref, "CUDA")
 _LIB.impl("q4_linear", q4_linear, "CPU")
 _LIB.impl("q8_linear", q8_linear, "CPU")
-_LIB.impl("q4_linear", q4_linear_ref, "CUDA")
-_LIB.impl("q8_linear", q8_linear_ref, "CUDA")
+# On a GPU the blocks are read by a Triton kernel (passes/ops/triton_quant.py).
+_LIB.impl("q4_linear", q4_linear_cuda if HAS_TRITON else q4_linear_ref, "CUDA")
+_LIB.impl("q8_linear", q8_linear_cuda if HAS_TRITON else q8_linear_ref, "CUDA")
 torch.library.register_fake("compilecore::dequantize_q4", _fake_dequantize_q4, lib=_LIB)
 torch.library.register_fake("compilecore::dequantize_q8", _fake_dequantize_q8, lib=_LIB)
 torch.library.register_fake("compilecore::q4_linear", _fake_q4, lib=_LIB)

@@ -1,0 +1,76 @@
+"""The quantized products on CUDA: `q4_linear` and `q8_linear` (formats and reference in
+`quantized.py`) as one Triton kernel that reads the blocks and dequantizes each tile in
+registers, so a decode step streams the blocks' bytes instead of a dequantized copy.
+
+Unfused (what Inductor would run from the traced pair): a kernel writes the whole weight
+dequantized, then a GEMM reads it again (on a GPU, 2 bytes a value written and read where
+the blocks hold 0.56-1.06). Fused: one kernel, tiles of [BLOCK_M, BLOCK_N] outputs, K in
+runs of 32 values, `tl.dot` on values rounded as the reference rounds them, fp32 sums.
+Tested on CPU under TRITON_INTERPRET=1; not yet timed on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from passes.ops.quantized import groups_of
+
+_TL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    name = str(dtype).removeprefix("torch.")
+    if name not in _TL_DTYPES:
+        raise TypeError(f"quantized products take float32, bfloat16 or float16, not {dtype}")
+    return getattr(tl, name)
+
+
+def quant_linear_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fields: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y [M, N] = x @ dequantize(w, *fields)^T (+ bias): q4 when `fields` is (scales,
+    mins), q8 when it is (scales,)."""
+    from passes.ops.triton_quant_kernels import quant_linear_kernel
+
+    bits = 4 if len(fields) == 2 else 8
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    fields = tuple(f.contiguous() for f in fields)
+    m, k = x.shape
+    n = w.shape[0]
+    out_dtype = out_dtype or x.dtype
+    y = x.new_empty(m, n, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return y
+    if k % 32:
+        raise ValueError(f"quantized products take K in runs of 32 values, got K={k}")
+    value = torch.promote_types(x.dtype, out_dtype)
+    # Triton's interpreter multiplies 16-bit operands as their raw bits: fp32 there.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    dot = torch.float32 if value == torch.float32 or interpreted else value
+    block_m = 16 if m <= 16 else 32
+    block_n = 64
+    grid = (-(-m // block_m), -(-n // block_n))
+    scales, mins = fields[0], fields[-1]
+    quant_linear_kernel[grid](
+        x, w.contiguous(), scales, mins, bias if bias is not None else y, y,
+        m, n, k, groups_of(scales), x.stride(0), y.stride(0),
+        BITS=bits,
+        COMPACT=scales.dtype == torch.uint8,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        VALUE_DTYPE=_tl_dtype(value),
+        DOT_DTYPE=_tl_dtype(dot),
+        # fp32 models want fp32 answers: TF32 would cost three decimal digits.
+        PRECISION="ieee" if dot == torch.float32 else "tf32",
+        num_warps=4,
+    )  # fmt: skip
+    return y
