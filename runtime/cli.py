@@ -49,7 +49,22 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     g.add_argument("--trust-remote-code", action="store_true", help="(config/tokenizer code)")
+    g.add_argument(
+        "-O", "--compilation-config", type=_json_object, default={}, metavar="JSON",
+        help='compilation_config fields as JSON (vLLM\'s flag), e.g. \'{"cudagraph_mode": '
+        '"PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}\'',
+    )  # fmt: skip
     _add_custom_pass_arg(g)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"want a JSON object of fields, got {text!r}")
+    return value
 
 
 def _add_custom_pass_arg(g) -> None:
@@ -89,7 +104,10 @@ def _engine_args(args: argparse.Namespace) -> dict:
         "trust_remote_code": args.trust_remote_code,
         "load_format": args.load_format,
         "quantization": args.quantization,
-        "compilation_config": {"custom_passes": args.custom_pass},
+        "compilation_config": {
+            **args.compilation_config,
+            "custom_passes": [*args.compilation_config.get("custom_passes", []), *args.custom_pass],
+        },
     }
 
 

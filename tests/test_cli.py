@@ -58,6 +58,14 @@ def test_serve_takes_a_vllm_serve_command_line():
     assert (engine["max_num_batched_tokens"], engine["block_size"]) == (512, 32)
     assert engine["enforce_eager"] and engine["trust_remote_code"]
     assert engine["enable_prefix_caching"] is False
+    # vLLM's -O / --compilation-config: JSON fields, merged with --custom-pass.
+    line = ["generate", "-O", '{"cudagraph_mode": "PIECEWISE", "custom_passes": ["a:b"]}',
+            "--custom-pass", "c:d", "x"]  # fmt: skip
+    engine = _engine_args(build_parser().parse_args(line))
+    assert engine["compilation_config"] == {"cudagraph_mode": "PIECEWISE",
+                                            "custom_passes": ["a:b", "c:d"]}  # fmt: skip
+    res = _cli("generate", "--model", "/models/x", "-O", "{not json", "x")
+    assert res.returncode == 2 and "not JSON" in res.stderr
     res = _cli("serve", "/models/a", "--model", "/models/b")
     assert res.returncode == 2 and "two models given" in res.stderr
     res = _cli("serve", "--chat-template", "/no/such/template.jinja")
@@ -77,6 +85,8 @@ def test_bad_arguments_give_a_clear_error(tiny_llama):
     assert res.returncode == 2 and "top_p must be in (0, 1]" in res.stderr
     res = _cli("generate", "--model", "/no/such/folder", "x")
     assert res.returncode == 2 and "/no/such/folder" in res.stderr
+    res = _cli("generate", "--model", str(tiny_llama[0]), "-O", '{"cudagraph_mode": "x"}', "x")
+    assert res.returncode == 2 and "cudagraph_mode must be one of" in res.stderr
 
 
 def test_help_explains_the_commands():
