@@ -30,7 +30,7 @@ export PYTHONPATH=/root/gpu_bundle/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 steps=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; \
 print(' '.join(n for n, _ in gpu_check.STEPS if n != 'default_model_bf16'))")
-bash benchmarks/gpu_check.sh "$OUT/a" --steps $steps
+GPU_CHECK_TIMEOUT=420 bash benchmarks/gpu_check.sh "$OUT/a" --steps $steps
 RUN
 cat > .gpu_bundle/b/run.sh <<'RUN'
 #!/usr/bin/env bash

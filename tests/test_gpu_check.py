@@ -27,9 +27,9 @@ def test_dry_run_passes_every_step(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = {r["step"]: r for r in report["steps"]}
     assert list(steps) == [
-        "gpu_tests", "greedy_cpu_vs_device", "default_model_bf16", "temperature_sampling",
+        "greedy_cpu_vs_device", "default_model_bf16", "temperature_sampling",
         "graphs_vs_eager", "chunked_prefill", "split_kv", "decode_bandwidth",
-        "quantized_products", "passes_on_off", "tensor_parallel",
+        "quantized_products", "passes_on_off", "tensor_parallel", "gpu_tests",
     ]  # fmt: skip
     assert all(r["status"] == "ok" for r in steps.values())
     assert "skipped" in steps["gpu_tests"]["detail"]["summary"]  # collected, no device
