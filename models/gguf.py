@@ -1,5 +1,5 @@
 """GGUF files (llama.cpp's format): the model's config and tokenizer, and its tensors with
-the Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks kept (Q4_K's scales as stored, Q6_K's in fp32).
+the Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks kept (the K-quants' scales as stored).
 
 Config and tokenizer come from transformers' GGUF reader, which takes ~10 s for a small
 model, so they are written once into a folder under the cache (`metadata_dir`) keyed by
@@ -83,7 +83,7 @@ def _kept_formats() -> dict[Any, QuantFormat]:
 
     return {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32),
             T.Q4_K: QuantFormat(4, 32, torch.uint8),
-            T.Q6_K: QuantFormat(8, 16, torch.float32)}  # fmt: skip
+            T.Q6_K: QuantFormat(8, 16, torch.int8)}  # fmt: skip
 
 
 def _dense_types() -> set[Any]:
@@ -192,7 +192,8 @@ def _q4_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
 def _q6_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     """Q6_K super-blocks (256 values, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit
     highs, 16 int8 scales for runs of 16, d fp16) as our q8 fields in groups of 16: the
-    values q - 32 and scales d x sc in fp32 (exact, as is d x sc x q)."""
+    values q - 32 and the scales as stored (compact: per row the int8 sc, then each
+    super-block's d as fp32 bytes; scale d x sc, exact)."""
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 210)
     ql = b[..., :128].reshape(rows, -1, 2, 2, 32)  # [.., half, low 32 / high 32, l]
@@ -200,10 +201,9 @@ def _q6_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     lo = torch.cat([ql & 15, ql >> 4], dim=3)  # value runs 0, 1, 2, 3 of each half
     hi = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3
     q = (lo | (hi << 4)).to(torch.int8) - 32
-    sc = b[..., 192:208].contiguous().view(torch.int8).float()
-    d = _halves(b[..., 208:210])
-    return {"qweight": q.reshape(rows, -1).contiguous(),
-            "scales": (d[..., None] * sc).reshape(rows, -1)}  # fmt: skip
+    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
+    d = _halves(b[..., 208:210]).contiguous().view(torch.int8).reshape(rows, -1)
+    return {"qweight": q.reshape(rows, -1).contiguous(), "scales": torch.cat([sc, d], -1)}
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -218,8 +218,9 @@ def test_ab_cpu_graph_sizes_smoke(tiny_llama, capsys):
     assert "same tokens 24/24" in capsys.readouterr().out
 
 
-def test_ab_compact_scales_smoke(capsys):
-    """Compact against fp32 Q4_K scales, small shapes, two rounds: identical outputs."""
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_ab_compact_scales_smoke(capsys, fmt):
+    """Compact against fp32 K-quant scales, small shapes, two rounds: identical outputs."""
     bench = _load("ab_compact_scales")
-    assert bench.main(["--layers", "1", "--rounds", "2", "--scale", "8"]) > 0
+    assert bench.main(["--format", fmt, "--layers", "1", "--rounds", "2", "--scale", "8"]) > 0
     assert "outputs identical" in capsys.readouterr().out

@@ -56,12 +56,25 @@ def _q4_fields(g, n, k, group=32, k_quant=False):
 
 def _values(scales):
     """A scales or mins field's values, compact ones expanded."""
-    return quantized.expand_compact(scales) if scales.dtype == torch.uint8 else scales
+    return quantized.expand_compact(scales) if quantized.is_compact(scales) else scales
+
+
+def _compact6(g, n, groups, top):
+    """Q6_K's scales as stored: int8 sub-block scales (either sign), then fp32 (fp16-exact)
+    super-block scales, one per 16 groups."""
+    sub = torch.randint(-128, 128, (n, groups), dtype=torch.int8, generator=g)
+    sup = (torch.rand(n, groups // 16, generator=g) * top / 127).half().float()
+    return torch.cat([sub, sup.view(torch.int8)], 1)
 
 
 def _q8_fields(g, n, k, group=32, k_quant=False):
+    """q8 fields; `k_quant`: Q6_K's (values within 6 bits, compact scales, groups of 16:
+    k a multiple of 256)."""
+    if k_quant:
+        w = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
+        return w, _compact6(g, n, k // 16, 0.04)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    return w, _scales(g, (n, k // group), 0.01, k_quant)
+    return w, _scales(g, (n, k // group), 0.01)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
@@ -92,7 +105,7 @@ def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_
     reference up to summation order, for any row count (the kernel's up to 32 or 128, the
     reference's beyond), tails and a whole-row group."""
     g = torch.Generator().manual_seed(seed)
-    k = 256 * runs if k_quant and bits == 4 else 32 * runs  # Q4_K: whole super-blocks
+    k = 256 * runs if k_quant else 32 * runs  # the K-quants: whole super-blocks
     group = k if per_channel and bits == 8 else 16 if k_quant and bits == 8 else 32  # Q6_K: 16
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -121,7 +134,7 @@ def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
     """The CPU op (what a prefill's products and an eager embedding read) is the kernel's
     dequantization; it must give the reference's values exactly, in fp32 and in bf16."""
     g = torch.Generator().manual_seed(seed)
-    k = 256 * runs if k_quant and bits == 4 else 32 * runs  # Q4_K: whole super-blocks
+    k = 256 * runs if k_quant else 32 * runs  # the K-quants: whole super-blocks
     if bits == 4:
         fields = _q4_fields(g, n, k, k_quant=k_quant)
         got = ops.dequantize_q4(*fields, dtype)
@@ -148,7 +161,8 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     multiplies the integers themselves and has none. q8 groups: Q8_0's 32, Q6_K's 16 and
     int8's whole row; q4 groups of 32 and of 128 (int4_g128)."""
     g = torch.Generator().manual_seed(seed)
-    k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": 256 * max(1, runs // 4)}.get(fmt, 32 * runs)
+    whole = 256 * max(1, runs // 4)  # the K-quants' super-blocks
+    k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole, "q6_k": whole}.get(fmt, 32 * runs)
     runs = k // 32
     x = torch.randn(rows, k, generator=g)
     if outliers:  # a channel ~1000x the rest, as real models' activations have
@@ -234,8 +248,9 @@ def test_q8_dense_rows_keep_the_values_bits(k_quant):
     outputs."""
     g = torch.Generator().manual_seed(1)
     rows = quantized.MAX_KERNEL_ROWS[8] + 31
-    fields = _q8_fields(g, 96, 576, 16 if k_quant else 32, k_quant)
-    x = torch.randn(rows, 576, generator=g).bfloat16()
+    k = 512 if k_quant else 576  # Q6_K: whole super-blocks
+    fields = _q8_fields(g, 96, k, 16 if k_quant else 32, k_quant)
+    x = torch.randn(rows, k, generator=g).bfloat16()
     got = quantized.q8_dense_product(x, *fields)
     w = quantized.dequantize_q8_ref(*fields, torch.float64)
     want = x.double() @ w.T
@@ -301,7 +316,7 @@ def test_fused_parts_in_different_formats_are_multiplied_apart(bias):
     from models.layers.quantization import QuantizationConfig, quant_fields
 
     g = torch.Generator().manual_seed(0)
-    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(8, 16, torch.float32)
+    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(8, 16, torch.int8)
     config = QuantizationConfig("gguf", parts={"attn.qkv_proj": (q4_k, q4_k, q6_k)})
     layer = QKVParallelLinear(256, 32, 4, 2, bias=bias, quant_config=config,
                               prefix="attn.qkv_proj", params_dtype=torch.float32)  # fmt: skip
@@ -325,22 +340,28 @@ def test_fused_parts_in_different_formats_are_multiplied_apart(bias):
     assert count_ops(backend.graph_after, torch.ops.aten.mm) == 0
 
 
-def test_compact_scales_slice_by_whole_super_blocks_across_ranks():
-    """A row-parallel rank's columns of Q4_K's compact scales: its sub-block bytes and its
-    super-blocks' fp32 scales, whose expansion equals the full field's columns; a rank
-    whose columns are not whole super-blocks is refused when the layer is built."""
+@pytest.mark.parametrize("q6_k", [False, True])
+def test_compact_scales_slice_by_whole_super_blocks_across_ranks(q6_k):
+    """A row-parallel rank's columns of compact scales (Q4_K's, Q6_K's): its sub-block
+    bytes and its super-blocks' fp32 scales, whose expansion equals the full field's
+    columns; a rank whose columns are not whole super-blocks is refused when the layer is
+    built."""
     from models.layers.linear import RowParallelLinear
     from models.layers.quantization import QuantizationConfig
 
     g = torch.Generator().manual_seed(0)
-    full = _compact(g, 8, 16, 0.05, 1)  # 8 rows of 512 columns: 16 groups, 2 super-blocks
-    config = QuantizationConfig("gguf", formats={"o": QuantFormat(4, 32, torch.uint8)})
-    layer = RowParallelLinear(256, 8, bias=False, quant_config=config, prefix="o")
+    # 8 rows of 1024 columns in 2 super-blocks: Q4_K's 32 groups of 32, Q6_K's 64 of 16
+    fmt = QuantFormat(8, 16, torch.int8) if q6_k else QuantFormat(4, 32, torch.uint8)
+    groups = 1024 // fmt.group
+    full = _compact6(g, 8, groups, 0.05) if q6_k else _compact(g, 8, groups, 0.05, 1)
+    config = QuantizationConfig("gguf", formats={"o": fmt})
+    layer = RowParallelLinear(512, 8, bias=False, quant_config=config, prefix="o")
     layer.tp_size = 2
     for rank in (0, 1):
         layer.tp_rank = rank
         layer.weight_loader(layer.scales, full)
-        want = quantized.expand_compact(full)[:, 8 * rank : 8 * rank + 8]
+        half = groups // 2
+        want = quantized.expand_compact(full)[:, half * rank : half * rank + half]
         assert torch.equal(quantized.expand_compact(layer.scales), want)
     with pytest.raises(ValueError, match="whole super-blocks"):
         RowParallelLinear(128, 8, bias=False, quant_config=config, prefix="o")
@@ -418,9 +439,9 @@ def test_gguf_logits_match_hf_on_the_dequantized_weights(tiny_gguf):
 def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     """A Q4_K_M-like mix (Q4_K; Q6_K for the MLP's down projection, the head and one
     layer's v projection): Q4_K layers hold q4 blocks and Q6_K ones q8 blocks in groups of
-    16, both with fp32 scales; the fused QKV whose parts differ holds each part in its own
-    format, and one whose v is Q5_0 (not kept) loads as floats. Logits against HF holding
-    gguf-py's dequantization of every block."""
+    16, both with their scales as stored; the fused QKV whose parts differ holds each part
+    in its own format, and one whose v is Q5_0 (not kept) loads as floats. Logits against
+    HF holding gguf-py's dequantization of every block."""
     from tests.gguf_files import write_gguf
     from tests.helpers import llama_config, save_checkpoint
 
@@ -432,8 +453,7 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
              "layers.2.self_attn.v_proj": Q.Q5_0}  # fmt: skip
     oracle = write_gguf(path, hf, types, Q.Q4_K)
     quant = gguf.quant_config(path)
-    f32 = torch.float32
-    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(8, 16, f32)
+    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(8, 16, torch.int8)
     assert quant.formats["model.layers.0.self_attn.qkv_proj"] == q4_k
     assert quant.formats["model.layers.0.mlp.down_proj"] == q6_k
     assert quant.formats["lm_head"] == q6_k
@@ -441,10 +461,10 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     assert "model.layers.2.self_attn.qkv_proj" not in {*quant.formats, *quant.parts}
     model, engine_config = load_ours(path, quant_config=quant,
                                      hf_config=load_hf_config(gguf.metadata_dir(path)))  # fmt: skip
-    assert model.model.layers[0].mlp.down_proj.scales.dtype == f32
+    assert model.model.layers[0].mlp.down_proj.scales.dtype == torch.int8
     qkv = model.model.layers[1].self_attn.qkv_proj
     assert (qkv.qweight_q.dtype, qkv.qweight_v.dtype) == (torch.uint8, torch.int8)
-    assert not hasattr(qkv, "weight") and qkv.scales_v.shape[1] == 256 // 16
+    assert not hasattr(qkv, "weight") and qkv.scales_v.shape[1] == 256 // 16 + 4
     assert model.model.layers[2].self_attn.qkv_proj.weight.dtype.is_floating_point
     assert "1 fused modules (model.layers.2.self_attn.qkv_proj" in caplog.text
     g = torch.Generator().manual_seed(2)
@@ -560,7 +580,7 @@ def _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed, device=
 
     g = torch.Generator().manual_seed(seed)
     k_quant = fmt == "k_quant"
-    k = 256 * runs if k_quant and bits == 4 else 32 * runs
+    k = 256 * runs if k_quant else 32 * runs
     group = k if fmt == "per_channel" and bits == 8 else 16 if k_quant and bits == 8 else 32
     x = torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None

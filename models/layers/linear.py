@@ -17,6 +17,7 @@ from compilecore.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from models.layers.quantization import (
+    GROUPS_PER_SUPER,
     QuantFormat,
     QuantizationConfig,
     make_quantized_params,
@@ -329,18 +330,20 @@ class RowParallelLinear(LinearBase):
             return default_weight_loader(param, loaded)
         size = param.shape[1]  # of the weight's columns, or of a quantized field's
         fmt = self.quant_format
-        if fmt is not None and fmt.scale_dtype == torch.uint8 and param is not self.qweight:
+        if fmt is not None and fmt.compact and param is not self.qweight:
             return copy_checked(param.data, self._compact_columns(loaded, size))
         copy_checked(param.data, _shard(loaded, 1, self.tp_rank, size, size * self.tp_size))
 
     def _compact_columns(self, loaded: torch.Tensor, size: int) -> torch.Tensor:
-        """This rank's columns of compact scales [G bytes | G/8 fp32]: its sub-block bytes
+        """This rank's columns of compact scales [G bytes | G/per fp32]: its sub-block bytes
         and its super-blocks' 4 bytes each (the format makes them whole super-blocks)."""
-        groups, full = size * 2 // 3, size * self.tp_size
+        per, full = GROUPS_PER_SUPER[loaded.dtype], size * self.tp_size
+        groups = size * per // (per + 4)
         if loaded.shape[1] != full:
             raise ShapeMismatchError(f"expected {full} columns, got shape {tuple(loaded.shape)}")
         sub = loaded[:, : groups * self.tp_size].narrow(1, self.tp_rank * groups, groups)
-        sup = loaded[:, groups * self.tp_size :].narrow(1, self.tp_rank * groups // 2, groups // 2)
+        sup_bytes = groups // per * 4
+        sup = loaded[:, groups * self.tp_size :].narrow(1, self.tp_rank * sup_bytes, sup_bytes)
         return torch.cat([sub, sup], 1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

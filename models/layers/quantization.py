@@ -22,21 +22,29 @@ import torch
 from torch import nn
 
 from passes.ops import quantized  # noqa: F401 - registers the dequantize ops
+from passes.ops.quantized import GROUPS_PER_SUPER
 
 
 @dataclass(frozen=True)
 class QuantFormat:
     bits: int  # 4 (q4: scale and min per group) or 8 (q8: scale per group)
     group: int  # values per scale; 0: one scale per row (per output channel)
-    # fp32 for Q6_K (a super-block scale times an int8 one: exact in fp32 only); uint8 for
-    # Q4_K's scales and mins as stored (passes/ops/quantized.py: `expand_compact`)
+    # The K-quants' scales as stored (passes/ops/quantized.py: `expand_compact`): uint8 for
+    # Q4_K's scales and mins, int8 for Q6_K's; fp32 where a super-block scale times a
+    # sub-block one is held multiplied out (exact in fp32 only).
     scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
             raise ValueError(f"block formats have 4 or 8 bits, not {self.bits}")
         if self.scale_dtype == torch.uint8 and self.bits != 4:
-            raise ValueError("compact (uint8) scales are Q4_K's: 4 bits only")
+            raise ValueError("compact uint8 scales are Q4_K's: 4 bits only")
+        if self.scale_dtype == torch.int8 and self.bits != 8:
+            raise ValueError("compact int8 scales are Q6_K's: 8 bits only")
+
+    @property
+    def compact(self) -> bool:
+        return self.scale_dtype in GROUPS_PER_SUPER
 
     def group_size(self, cols: int) -> int:
         return self.group or cols
@@ -51,11 +59,12 @@ class QuantFormat:
                 f"(the row must split into whole groups of a multiple of {step})"
             )
         scales = ((rows, cols // g), self.scale_dtype)
-        if self.scale_dtype == torch.uint8:  # G sub-block bytes, then G/8 fp32 super-blocks
-            if (cols // g) % 8:
-                raise ValueError(f"Q4_K rows of {cols} columns are not whole super-blocks "
-                                 f"of {8 * g}")  # fmt: skip
-            scales = ((rows, cols // g * 3 // 2), torch.uint8)
+        if self.compact:  # G sub-block bytes, then one fp32 super-block scale per `per`
+            groups, per = cols // g, GROUPS_PER_SUPER[self.scale_dtype]
+            if groups % per:
+                raise ValueError(f"K-quant rows of {cols} columns are not whole super-blocks "
+                                 f"of {per * g}")  # fmt: skip
+            scales = ((rows, groups + groups // per * 4), self.scale_dtype)
         if self.bits == 8:
             return {"qweight": ((rows, cols), torch.int8), "scales": scales}
         return {"qweight": ((rows, cols // 2), torch.uint8), "scales": scales, "mins": scales}

@@ -1,7 +1,8 @@
 // Products with block-quantized weights for a few activation rows:
 // y [M, N] = x [M, K] @ dequantize(w)^T (+ bias); `flags` bit 0: x and bias are bf16 (else
 // fp32), bit 1: y is bf16 (else fp32), bit 2: scales and mins are fp32 (else fp16), bit 4:
-// they are Q4_K's as stored (`CompactScales` below).
+// they are stored compact, as Q4_K's (q4) or Q6_K's (q8) super-blocks hold them
+// (`CompactScales` below).
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
@@ -9,7 +10,7 @@
 //       or fp32 [N, K/g]; value = scale * q + min. GGUF Q4_1 as stored, Q4_0 with min =
 //       -8 scale, Q4_K with fp32 scales and mins (its nibbles reordered at load).
 //   q8: w int8 [N, K], scales fp16 or fp32 [N, K/g]; value = scale * q. GGUF Q8_0 (g =
-//       32), Q6_K (g = 16, fp32 scales, q - 32), int8 per output channel (g = K).
+//       32), Q6_K (g = 16, compact scales, q - 32), int8 per output channel (g = K).
 // Three paths. fp32 activations: every value dequantized in fp32 exactly as the reference
 // does (scale * q is exact, one rounding for the min), products summed in fp32. bf16
 // activations with AVX512-BF16: exact products of the weights' integers (q4's nibbles, q8's
@@ -48,34 +49,39 @@ inline __m512 scales16(const f16* s, __mmask16 live) {
 inline __m512 scales16(const float* s, __mmask16 live) { return _mm512_maskz_loadu_ps(live, s); }
 #endif
 
-// Q4_K's scales (or mins) as stored (compact): per row `groups` bytes of 6-bit sub-scales,
-// then groups / 8 fp32 super-block scales. Rows [n, n + count) decoded into buf as fp32
-// [count, groups]: super x sub is exact in fp32, the values fp32 fields would hold, at
-// 0.09 bytes a value for scales and mins where those take 0.25.
+// Scales (or mins) as the K-quants store them (compact): per row `groups` sub-block
+// scales as bytes, then one fp32 super-block scale per super-block. Q4_K (q4): 6-bit
+// unsigned bytes, 8 groups of 32 a super-block; Q6_K (q8): int8 bytes, 16 groups of 16.
+// Rows [n, n + count) decoded into buf as fp32 [count, groups]: super x sub is exact in
+// fp32, the values fp32 fields would hold, at ~0.09 (Q4_K, scales and mins) or ~0.08
+// (Q6_K) bytes a value where fp32 fields take 0.25.
+template <bool Q4>
 struct CompactScales {
+  static constexpr int64_t PER_SUPER = Q4 ? 8 : 16;  // groups a super-block
   const uint8_t* base;
   int64_t groups;
   const float* rows(int64_t n, int64_t count, float* buf) const {
-    const int64_t stride = groups + groups / 2;  // bytes a row
+    const int64_t stride = groups + groups / PER_SUPER * 4;  // bytes a row
     for (int64_t r = 0; r < count; ++r) {
       const uint8_t* row = base + (n + r) * stride;
       float* out = buf + r * groups;
       int64_t gi = 0;
 #if defined(__AVX512F__)
-      for (; gi + 16 <= groups; gi += 16) {  // two super-blocks: their scales in 8 lanes each
-        const __m512i sub = _mm512_cvtepu8_epi32(_mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(row + gi)));
+      for (; gi + 16 <= groups; gi += 16) {  // Q4_K: two super-blocks' scales, 8 lanes each
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + gi));
+        const __m512i sub = Q4 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
         float d[2];
-        std::memcpy(d, row + groups + (gi >> 3) * 4, sizeof d);
-        const __m512 super = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d[0]),
-                                                  _mm512_set1_ps(d[1]));
+        std::memcpy(d, row + groups + gi / PER_SUPER * 4, (Q4 ? 2 : 1) * sizeof(float));
+        const __m512 super = Q4 ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d[0]),
+                                                       _mm512_set1_ps(d[1]))
+                                : _mm512_set1_ps(d[0]);
         _mm512_storeu_ps(out + gi, _mm512_mul_ps(_mm512_cvtepi32_ps(sub), super));
       }
 #endif
       for (; gi < groups; ++gi) {
         float d;
-        std::memcpy(&d, row + groups + (gi >> 3) * 4, sizeof d);
-        out[gi] = d * float(row[gi]);
+        std::memcpy(&d, row + groups + gi / PER_SUPER * 4, sizeof d);
+        out[gi] = d * (Q4 ? float(row[gi]) : float(int8_t(row[gi])));
       }
     }
     return buf;
@@ -84,11 +90,12 @@ struct CompactScales {
 
 // Rows [n, n + count) of a call's scales (or mins): a pointer into stored ones, or compact
 // ones (S = float, `base` their address) decoded into buf.
-template <bool Compact, typename S>
+template <bool Q4, bool Compact, typename S>
 inline const S* scale_rows(const S* base, int64_t groups, int64_t n, int64_t count,
                            float* buf) {
   if constexpr (Compact)
-    return CompactScales{reinterpret_cast<const uint8_t*>(base), groups}.rows(n, count, buf);
+    return CompactScales<Q4>{reinterpret_cast<const uint8_t*>(base), groups}.rows(n, count,
+                                                                                  buf);
   else
     return base + n * groups;
 }
@@ -650,9 +657,9 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     st.ms = st.ds + strip_groups * TILE_N;
     for (int64_t strip = sb; strip < se; ++strip) {  // (chunks of x kept in L2: no faster)
       const int64_t n0 = strip * TILE_N;
+      const S* ms = Q4 ? scale_rows<Q4, Compact>(mins, groups, n0, TILE_N, min_buf) : nullptr;
       pack_strip<Q4>(static_cast<const char*>(w) + n0 * row_bytes,
-                     scale_rows<Compact>(scales, groups, n0, TILE_N, scale_buf),
-                     Q4 ? scale_rows<Compact>(mins, groups, n0, TILE_N, min_buf) : nullptr, K,
+                     scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), ms, K,
                      groups, st);
       for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
         float out[STRIP_MB * TILE_N];
@@ -670,8 +677,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t begin = tiled + tb, end = tiled + te;
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
-    const S* s = scale_rows<Compact>(scales, groups, n, 1, scale_buf);
-    const S* mn = Q4 ? scale_rows<Compact>(mins, groups, n, 1, min_buf) : nullptr;
+    const S* s = scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf);
+    const S* mn = Q4 ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf) : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
@@ -775,9 +782,9 @@ void dequantize_team(const void* w, const S* scales, const S* mins, void* out, i
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
     float* dst = bf ? row : static_cast<float*>(out) + n * K;
-    dequantize_row<Q4>(wrow, scale_rows<Compact>(scales, groups, n, 1, scale_buf),
-                       Q4 ? scale_rows<Compact>(mins, groups, n, 1, min_buf) : nullptr, K, g,
-                       dst);
+    const S* mn = Q4 ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf) : nullptr;
+    dequantize_row<Q4>(wrow, scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf), mn, K,
+                       g, dst);
     if (!bf) continue;
     bf16* y = static_cast<bf16*>(out) + n * K * (split ? 2 : 1);
     for (int64_t k = 0; k < K; ++k) y[k] = to_bf16(row[k]);
@@ -788,7 +795,7 @@ void dequantize_team(const void* w, const S* scales, const S* mins, void* out, i
 
 // Calls f(scales, mins) with both pointers as the type `flags` bit 2 names (fp32, else
 // fp16): the one place a call's scale type is chosen, outside every loop. (Compact
-// scales, bit 4, are q4's alone and dispatched by q4's entry points.)
+// scales, bit 4, are dispatched by the entry points.)
 template <typename F>
 inline void with_scales(int64_t flags, const void* scales, const void* mins, F&& f) {
   if (flags & 4)
@@ -837,6 +844,9 @@ void q4_linear_team(const void* x, int64_t flags, const void* w, const void* sca
 
 void q8_linear_team(const void* x, int64_t flags, const void* w, const void* scales,
                     const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
+  if (flags & 16)
+    return product_team<false, float, true>(x, flags, w, static_cast<const float*>(scales),
+                                            nullptr, bias, y, M, N, K, g);
   with_scales(flags, scales, nullptr, [&](auto s, auto mn) {
     product_team<false>(x, flags, w, s, mn, bias, y, M, N, K, g);
   });
@@ -857,11 +867,11 @@ void q8_linear_region(const void* x, int64_t flags, const void* w, const void* s
 }
 
 // `flags` bit 0: out is bf16 (else fp32); bit 2: scales and mins are fp32 (else fp16);
-// bit 3: out is bf16 [hi | lo] rows (`dequantize_team`); bit 4: compact (Q4_K's).
+// bit 3: out is bf16 [hi | lo] rows (`dequantize_team`); bit 4: compact (Q4_K's, Q6_K's).
 void dequantize_q4_region(const void* w, const void* scales, const void* mins, void* out,
                           int64_t flags, int64_t N, int64_t K, int64_t g, int64_t threads) {
 #pragma omp parallel num_threads(threads)
-  if (flags & 16)  // compact: q4's alone
+  if (flags & 16)  // compact: Q4_K's
     dequantize_team<true, float, true>(w, static_cast<const float*>(scales),
                                        static_cast<const float*>(mins), out, flags, N, K, g);
   else
@@ -873,9 +883,13 @@ void dequantize_q4_region(const void* w, const void* scales, const void* mins, v
 void dequantize_q8_region(const void* w, const void* scales, void* out, int64_t flags,
                           int64_t N, int64_t K, int64_t g, int64_t threads) {
 #pragma omp parallel num_threads(threads)
-  with_scales(flags, scales, nullptr, [&](auto s, auto mn) {
-    dequantize_team<false>(w, s, mn, out, flags, N, K, g);
-  });
+  if (flags & 16)  // compact: Q6_K's
+    dequantize_team<false, float, true>(w, static_cast<const float*>(scales), nullptr, out,
+                                        flags, N, K, g);
+  else
+    with_scales(flags, scales, nullptr, [&](auto s, auto mn) {
+      dequantize_team<false>(w, s, mn, out, flags, N, K, g);
+    });
 }
 
 }  // extern "C"

@@ -11,7 +11,9 @@ slice of each field, and a slice of input columns one of whole groups):
   6-bit sub-block scales (mins) then G/8 fp32 super-block scales (-mins); scale = super x
   sub, exact in fp32 (`expand_compact`).
 - q8: `w` int8 [N, K], `scales` fp16 (or fp32) [N, K/g]; value = scale * q. GGUF Q8_0
-  (g = 32), Q6_K (g = 16, fp32 scales, q - 32), int8 per output channel (g = K).
+  (g = 32), int8 per output channel (g = K); Q6_K (g = 16, q - 32) with its scales as
+  stored (compact): int8 [N, G + G/4], per row the G int8 sub-block scales then G/16
+  fp32 super-block scales.
 
 Ops (namespace `compilecore`): `dequantize_q4`, `dequantize_q8` (what a quantized linear
 layer traces as: `mm(x, dequantize(...)^T)`, visible in every dump), and `q4_linear`,
@@ -50,16 +52,28 @@ MAX_KERNEL_ROWS = MappingProxyType({4: 32, 8: 128})
 BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
 
 
+# Compact fields by dtype: groups a super-block (whose fp32 scale follows the row's bytes).
+GROUPS_PER_SUPER = MappingProxyType({torch.uint8: 8, torch.int8: 16})  # Q4_K's, Q6_K's
+
+
+def is_compact(field: torch.Tensor) -> bool:
+    return field.dtype in GROUPS_PER_SUPER
+
+
 def groups_of(scales: torch.Tensor) -> int:
-    """Groups a row of this scales field covers (compact: G bytes, then G/8 fp32)."""
-    return scales.shape[-1] * 2 // 3 if scales.dtype == torch.uint8 else scales.shape[-1]
+    """Groups a row of this scales field covers (compact: G bytes, then G/8 or G/16 fp32)."""
+    if not is_compact(scales):
+        return scales.shape[-1]
+    per = GROUPS_PER_SUPER[scales.dtype]
+    return scales.shape[-1] * per // (per + 4)
 
 
 def expand_compact(field: torch.Tensor) -> torch.Tensor:
-    """Q4_K's scales (or mins) as stored, uint8 [..., G + G/2]: fp32 [..., G], each a
-    super-block's fp32 scale times its 8 sub-blocks' 6-bit ones (exact)."""
-    g = groups_of(field)
-    sub = field[..., :g].float().unflatten(-1, (g // 8, 8))
+    """Scales (or mins) as stored: fp32 [..., G], each a super-block's fp32 scale times a
+    sub-block's byte (exact). Q4_K's: uint8 [..., G + G/2], 6-bit bytes, 8 groups a
+    super-block; Q6_K's: int8 [..., G + G/4], 16 groups a super-block."""
+    g, per = groups_of(field), GROUPS_PER_SUPER[field.dtype]
+    sub = field[..., :g].float().unflatten(-1, (g // per, per))
     sup = field[..., g:].contiguous().view(torch.float32).unsqueeze(-1)
     return (sub * sup).flatten(-2)
 
@@ -68,7 +82,7 @@ def dequantize_q4_ref(
     w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """q4 blocks [..., K/2] -> values [..., K] in `dtype`, computed in fp32."""
-    if scales.dtype == torch.uint8:
+    if is_compact(scales):
         scales, mins = expand_compact(scales), expand_compact(mins)
     lead, half = w.shape[:-1], w.shape[-1]
     runs = w.reshape(*lead, half // (RUN // 2), 1, RUN // 2)
@@ -82,6 +96,8 @@ def dequantize_q4_ref(
 
 def dequantize_q8_ref(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q8 blocks [..., K] -> values [..., K] in `dtype`, computed in fp32."""
+    if is_compact(scales):
+        scales = expand_compact(scales)
     lead, k = w.shape[:-1], w.shape[-1]
     q = w.reshape(*lead, scales.shape[-1], -1)
     return (q.float() * scales.float().unsqueeze(-1)).reshape(*lead, k).to(dtype)
@@ -115,13 +131,14 @@ def _kernel() -> ctypes.CDLL | None:
     return lib
 
 
-# Scale dtypes the kernel reads (uint8: q4's compact K-quant scales), and their flag bits.
+# Scale dtypes the kernel reads (uint8: Q4_K's compact scales; int8: Q6_K's), and their
+# flag bits.
 _SCALE_DTYPES = {True: (torch.float16, torch.float32, torch.uint8),
-                 False: (torch.float16, torch.float32)}  # fmt: skip
+                 False: (torch.float16, torch.float32, torch.int8)}  # fmt: skip
 
 
 def _scale_flags(scales: torch.Tensor) -> int:
-    return 4 * int(scales.dtype == torch.float32) | 16 * int(scales.dtype == torch.uint8)
+    return 4 * int(scales.dtype == torch.float32) | 16 * int(is_compact(scales))
 
 
 def _dequantize_native(

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from passes.ops.quantized import groups_of
+from passes.ops.quantized import GROUPS_PER_SUPER, groups_of
 
 _TL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -63,7 +63,7 @@ def quant_linear_triton(
         x, w.contiguous(), scales, mins, bias if bias is not None else y, y,
         m, n, k, groups_of(scales), x.stride(0), y.stride(0),
         BITS=bits,
-        COMPACT=scales.dtype == torch.uint8,
+        PER_SUPER=GROUPS_PER_SUPER.get(scales.dtype, 0),  # compact fields: Q4_K's, Q6_K's
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,

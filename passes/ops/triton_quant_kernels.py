@@ -7,20 +7,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _group_field(f_ptr, rows, groups, n_mask, GROUPS, COMPACT: tl.constexpr):
+def _group_field(f_ptr, rows, groups, n_mask, GROUPS, PER_SUPER: tl.constexpr):
     """A scales (or mins) field's value for each (row, group) of a tile, fp32. Compact
-    (Q4_K as stored): per row GROUPS 6-bit bytes, then GROUPS / 8 fp32 super-block scales
-    as bytes, multiplied here exactly as `expand_compact` does."""
+    (PER_SUPER > 0: the K-quants' as stored): per row GROUPS sub-block bytes (Q4_K's
+    unsigned, Q6_K's int8: the pointer's type), then one fp32 super-block scale per
+    PER_SUPER groups as 4 bytes, multiplied here exactly as `expand_compact` does."""
     mask = n_mask[:, None]
-    if COMPACT:
-        row_bytes = GROUPS + GROUPS // 2
+    if PER_SUPER > 0:
+        row_bytes = GROUPS + GROUPS // PER_SUPER * 4
         base = f_ptr + rows[:, None] * row_bytes
         sub = tl.load(base + groups, mask=mask, other=0).to(tl.float32)
-        at = base + GROUPS + (groups // 8) * 4
-        word = tl.load(at, mask=mask, other=0).to(tl.int32)
-        word |= tl.load(at + 1, mask=mask, other=0).to(tl.int32) << 8
-        word |= tl.load(at + 2, mask=mask, other=0).to(tl.int32) << 16
-        word |= tl.load(at + 3, mask=mask, other=0).to(tl.int32) << 24
+        at = base + GROUPS + (groups // PER_SUPER) * 4
+        word = tl.load(at, mask=mask, other=0).to(tl.int32) & 255
+        word |= (tl.load(at + 1, mask=mask, other=0).to(tl.int32) & 255) << 8
+        word |= (tl.load(at + 2, mask=mask, other=0).to(tl.int32) & 255) << 16
+        word |= (tl.load(at + 3, mask=mask, other=0).to(tl.int32) & 255) << 24
         return sub * word.to(tl.float32, bitcast=True)
     return tl.load(f_ptr + rows[:, None] * GROUPS + groups, mask=mask, other=0).to(tl.float32)
 
@@ -40,7 +41,7 @@ def quant_linear_kernel(
     x_stride,
     y_stride,
     BITS: tl.constexpr,
-    COMPACT: tl.constexpr,
+    PER_SUPER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -68,12 +69,12 @@ def quant_linear_kernel(
             at = w_ptr + rows_n[:, None] * (K // 2) + (k0 // 2 + kk % 16)[None, :]
             byte = tl.load(at, mask=n_mask[:, None], other=0).to(tl.int32)
             q = ((byte >> ((kk // 16) * 4)[None, :]) & 15).to(tl.float32)
-            w = q * _group_field(s_ptr, rows_n, groups, n_mask, GROUPS, COMPACT)
-            w += _group_field(m_ptr, rows_n, groups, n_mask, GROUPS, COMPACT)
+            w = q * _group_field(s_ptr, rows_n, groups, n_mask, GROUPS, PER_SUPER)
+            w += _group_field(m_ptr, rows_n, groups, n_mask, GROUPS, PER_SUPER)
         else:
             at = w_ptr + rows_n[:, None] * K + cols[None, :]
             q = tl.load(at, mask=n_mask[:, None], other=0).to(tl.float32)
-            w = q * _group_field(s_ptr, rows_n, groups, n_mask, GROUPS, False)
+            w = q * _group_field(s_ptr, rows_n, groups, n_mask, GROUPS, PER_SUPER)
         w = w.to(VALUE_DTYPE).to(DOT_DTYPE)
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w), input_precision=PRECISION)
     if HAS_BIAS:
