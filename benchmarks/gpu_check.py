@@ -151,10 +151,12 @@ def step_gpu_tests(check: Check) -> dict:
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     (check.out / "gpu_tests.log").write_text(res.stdout + res.stderr)
-    summary = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
+    lines = res.stdout.strip().splitlines() or ["(no output)"]
+    # The failing tests by name (and their errors), so the report says what broke.
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))][:8]
     if res.returncode not in (0, 5):  # 5: nothing collected
-        raise StepFailed(f"pytest -m gpu: {summary}")
-    return {"summary": summary}
+        raise StepFailed(f"pytest -m gpu: {lines[-1]}", {"failed": failed})
+    return {"summary": lines[-1]}
 
 
 def step_greedy_cpu_vs_device(check: Check) -> dict:
