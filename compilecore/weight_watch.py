@@ -62,8 +62,9 @@ class WeightWatch:
             changed, self.state = state != self.state, state
         if changed:
             note_weights_seen_changed()
-        if self.marks != self._marks():
-            self.marks, changed = self._marks(), True
+        now = self._marks()
+        if self.marks != now:
+            self.marks, changed = now, True
         return changed
 
     def _marks(self) -> tuple[int, int]:
