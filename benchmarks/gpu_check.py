@@ -356,53 +356,101 @@ def step_decode_bandwidth(check: Check) -> dict:
     return result
 
 
+# Launch tiles the quantized products' step times (block_m, block_n, block_k, num_warps):
+# the default first; small N tiles give a decode step more programs, long K steps more
+# bytes in flight per program.
+QUANT_TILES = [None, (16, 16, 128, 4), (16, 32, 128, 4), (16, 16, 256, 4), (16, 32, 256, 8),
+               (16, 64, 128, 4), (16, 8, 256, 2)]  # fmt: skip
+
+
 def step_quantized_products(check: Check) -> dict:
     """The quantized products' Triton kernel (`passes/ops/triton_quant.py`) against what
-    Inductor runs without the pass (the weight dequantized, then cuBLAS), bf16, on a
-    1.7B-class MLP's 8192 x 2048 blocks: GB/s of blocks read at 1 and 16 rows, equal
-    results. The numbers that decide whether `quantized_linear` goes on by default on
-    CUDA."""
+    runs without the pass (Inductor's compiled dequantization, then cuBLAS), bf16, on a
+    1.7B-class MLP's 8192 x 2048 blocks and a 2048 x 2048 projection, at 1 and 16 rows:
+    device time per call (CUDA graphs of 20 calls), GB/s of blocks read, for each tile in
+    QUANT_TILES, results checked against the reference. The numbers that decide whether
+    `quantized_linear` goes on by default on CUDA, and with which tile."""
     if check.dry_run:
         return {"skipped": "CUDA only (the kernel is interpreter-tested in the suite)"}
     from passes.ops import quantized
-    from passes.ops.triton_quant import quant_linear_triton
+    from passes.ops.triton_quant import Tile, quant_linear_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    n, k = 8192, 2048
-    w4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
-    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
-    s = torch.rand(n, k // 32, device="cuda", generator=g).half() * 0.05
-    result = {}
-    for name, w, fields in (("q4", w4, (s, -s)), ("q8", w8, (s,))):
-        nbytes = sum(t.numel() * t.element_size() for t in (w, *fields))
-        ref = quantized.q4_linear_ref if name == "q4" else quantized.q8_linear_ref
-        for rows in (1, 16):
-            x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
-            ours, theirs = quant_linear_triton(x, w, fields), ref(x, w, *fields)
-            err = (ours.float() - theirs.float()).abs().max().item()
-            if err > 2e-2 * max(1.0, theirs.float().abs().max().item()):
-                raise StepFailed(f"{name} at {rows} rows: Triton differs by {err}", result)
-            times = {
-                "triton": _cuda_seconds(functools.partial(quant_linear_triton, x, w, fields)),
-                "dequantize_mm": _cuda_seconds(functools.partial(ref, x, w, *fields)),
-            }
-            result[f"{name}_{rows}"] = {
-                "triton_GB_s": nbytes / times["triton"] / 1e9,
-                "dequantize_mm_GB_s": nbytes / times["dequantize_mm"] / 1e9,
-                "triton_speedup": times["dequantize_mm"] / times["triton"],
-            }
+    result: dict = {}
+    for n, k in ((8192, 2048), (2048, 2048)):
+        w4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+        w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+        s = torch.rand(n, k // 32, device="cuda", generator=g).half() * 0.05
+        for name, w, fields in (("q4", w4, (s, -s)), ("q8", w8, (s,))):
+            nbytes = sum(t.numel() * t.element_size() for t in (w, *fields))
+            ref = quantized.q4_linear_ref if name == "q4" else quantized.q8_linear_ref
+            inductor = torch.compile(ref, dynamic=False)
+            for rows in (1, 16):
+                x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+                want = ref(x, w, *fields).float()
+                case = {"inductor_us": _graph_us(functools.partial(inductor, x, w, *fields))}
+                for spec in QUANT_TILES:
+                    tile = None if spec is None else Tile(*spec)
+                    fn = functools.partial(quant_linear_triton, x, w, fields, tile=tile)
+                    err = (fn().float() - want).abs().max().item()
+                    if err > 2e-2 * max(1.0, want.abs().max().item()):
+                        raise StepFailed(f"{name} {n}x{k} {rows} rows {spec}: off by {err}", result)
+                    case["default" if spec is None else "x".join(map(str, spec))] = _graph_us(fn)
+                best = min((v, t) for t, v in case.items() if t != "inductor_us")
+                case.update(best=best[1], best_GB_s=nbytes / best[0] / 1e3,
+                            default_vs_inductor=case["inductor_us"] / case["default"],
+                            best_vs_inductor=case["inductor_us"] / best[0])  # fmt: skip
+                result[f"{name}_{n}x{k}_{rows}"] = case
     return result
 
 
-def _cuda_seconds(fn: Callable, repeats: int = 50) -> float:
-    for _ in range(3):
-        fn()
+def step_quantized_decode(check: Check) -> dict:
+    """Batch-1 decode of the 1B-class model quantized at load (`quantization="int8"` and
+    `"int4"`), with the quantized-product pass off (Inductor's dequantization + cuBLAS)
+    and on (the Triton kernel): tok/s, bytes a token, the first greedy tokens of each
+    (equal, or where they part: the same products summed in another order)."""
+    if check.dry_run:
+        return {"skipped": "CUDA only"}
+    check.drop()
+    result: dict = {}
+    for quant in ("int8", "int4"):
+        tokens = {}
+        for on in (False, True):
+            key = f"{quant} pass {'on' if on else 'off'}"
+            cc = {"passes": {"quantized_linear": on}, "cudagraph_capture_sizes": [1, 2, 4]}
+            llm = check.llm(f"big {key}", model="big", dtype="bfloat16", quantization=quant,
+                            compilation_config=cc)  # fmt: skip
+            speed = decode_speed(llm, PROMPTS[2], 128, 3)
+            result[key] = {"tok_s": speed, "MB_a_token": weight_bytes(llm) / 1e6}
+            tokens[on] = greedy(llm, 8)
+            check.drop()
+        same = [a == b for a, b in zip(tokens[False], tokens[True])]
+        result[quant] = {"on_over_off": result[f"{quant} pass on"]["tok_s"]
+                         / result[f"{quant} pass off"]["tok_s"], "prompts_equal": same}  # fmt: skip
+    return result
+
+
+def _graph_us(fn: Callable, calls: int = 20, replays: int = 5) -> float:
+    """Device microseconds per call of `fn`, captured `calls` times in one CUDA graph
+    (no launch overhead: what a captured decode step pays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def step_passes_on_off(check: Check) -> dict:
@@ -441,6 +489,7 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("split_kv", step_split_kv),
     ("decode_bandwidth", step_decode_bandwidth),
     ("quantized_products", step_quantized_products),
+    ("quantized_decode", step_quantized_decode),
     ("passes_on_off", step_passes_on_off),
     ("tensor_parallel", step_tensor_parallel),
     ("gpu_tests", step_gpu_tests),

@@ -55,8 +55,8 @@ class PassConfig:
     fuse_allreduce_rms_norm: bool | None = None
     fuse_silu_and_mul: bool | None = None
     # Products with block-quantized weights as `compilecore.q4_linear` / `q8_linear`: our
-    # C loop on the blocks on CPU; on CUDA a Triton kernel (off there by default until a
-    # device run has timed it against Inductor's dequantize + GEMM).
+    # C loop on the blocks on CPU; on CUDA a Triton kernel, off there by default: an H200
+    # ran it at 0.53-0.74x Inductor's dequantization + cuBLAS (NOTES 52).
     quantized_linear: bool | None = None
     # Dequantization ops left as the reference's plain ops, for Inductor to fuse.
     decompose_dequantize: bool | None = None

@@ -573,7 +573,8 @@ _interpreted = pytest.mark.skipif(
 )
 
 
-def _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed, device="cpu"):
+def _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed, device="cpu",
+                 tile=None):  # fmt: skip
     """(our Triton product, the reference) on one drawn case; fmt: "plain", "k_quant"
     (Q4_K's compact fields / Q6_K's groups of 16) or "per_channel" (q8)."""
     from passes.ops.triton_quant import quant_linear_triton
@@ -593,8 +594,8 @@ def _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed, device=
     want = ref(x, w, *fields, b, out_dtype)
     x, w, b = x.to(device), w.to(device), None if b is None else b.to(device)
     fields = [f.to(device) for f in fields]
-    got = quant_linear_triton(x, w, tuple(fields), b, out_dtype)
-    if device == "cuda":  # the op dispatches CUDA tensors to the kernel
+    got = quant_linear_triton(x, w, tuple(fields), b, out_dtype, tile)
+    if device == "cuda" and tile is None:  # the op dispatches CUDA tensors to the kernel
         op = ops.q4_linear if bits == 4 else ops.q8_linear
         assert torch.equal(op(x, w, *fields, b, out_dtype), got)
     return got.cpu(), want
@@ -614,15 +615,20 @@ def _assert_close_to_reference(got, want):
     bits=st.sampled_from([4, 8]), fmt=st.sampled_from(["plain", "k_quant", "per_channel"]),
     bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     fp32_out=st.booleans(), seed=st.integers(0, 2**16),
+    tile=st.sampled_from([None, (16, 16, 128, 4), (32, 32, 64, 2), (16, 64, 256, 8)]),
 )  # fmt: skip
 def test_triton_products_equal_the_reference(rows, n, runs, bits, fmt, bias, dtype, fp32_out,
-                                             seed):  # fmt: skip
+                                             seed, tile):  # fmt: skip
     """The CUDA products' Triton kernel (under the interpreter here) against the
     reference: each value rounded as the reference rounds its dequantized copy, fp32
     sums; Q4_K's compact fields expanded in the kernel, Q6_K's groups of 16, whole-row
-    groups, tails of rows and columns, a bias, fp32 outputs from bf16 inputs."""
+    groups, tails of rows and columns (and of K, when a step of K passes its end), a
+    bias, fp32 outputs from bf16 inputs, launch tiles."""
+    from passes.ops.triton_quant import Tile
+
     out_dtype = torch.float32 if fp32_out else None
-    got, want = _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed)
+    tile = None if tile is None else Tile(*tile)
+    got, want = _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed, tile=tile)
     _assert_close_to_reference(got, want)
 
 
@@ -637,7 +643,8 @@ def test_triton_products_on_cuda(bits, fmt, rows):
 @pytest.mark.gpu
 def test_gguf_on_cuda_with_the_triton_products_equals_cpu(tiny_gguf):
     """The tiny GGUF's greedy tokens on CUDA with the quantized-product pass on (its
-    Triton kernel inside the graphs) equal CPU's, in fp32."""
+    Triton kernel inside the graphs) equal CPU's, in fp32. Token ids in and out: the tiny
+    file's SentencePiece vocabulary needs `sentencepiece`, which a device machine may lack."""
     from runtime import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -645,7 +652,8 @@ def test_gguf_on_cuda_with_the_triton_products_equals_cpu(tiny_gguf):
     tokens = {}
     for device in ("cpu", "cuda"):
         extra = {"kv_cache_memory": 64 << 20} if device == "cuda" else {}
-        llm = LLM(str(tiny_gguf[0]), device=device, dtype="float32", **extra,
+        llm = LLM(str(tiny_gguf[0]), device=device, dtype="float32", skip_tokenizer_init=True,
+                  **extra,
                   compilation_config={"passes": {"quantized_linear": True},
                                       "cudagraph_capture_sizes": [1, 2]})  # fmt: skip
         tokens[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -7,12 +7,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _group_field(f_ptr, rows, groups, n_mask, GROUPS, PER_SUPER: tl.constexpr):
+def _group_field(f_ptr, rows, groups, mask, GROUPS, PER_SUPER: tl.constexpr):
     """A scales (or mins) field's value for each (row, group) of a tile, fp32. Compact
     (PER_SUPER > 0: the K-quants' as stored): per row GROUPS sub-block bytes (Q4_K's
     unsigned, Q6_K's int8: the pointer's type), then one fp32 super-block scale per
     PER_SUPER groups as 4 bytes, multiplied here exactly as `expand_compact` does."""
-    mask = n_mask[:, None]
     if PER_SUPER > 0:
         row_bytes = GROUPS + GROUPS // PER_SUPER * 4
         base = f_ptr + rows[:, None] * row_bytes
@@ -45,36 +44,42 @@ def quant_linear_kernel(
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     VALUE_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """y [M, N] = x [M, K] @ dequantize(w)^T (+ bias), one [BLOCK_M, BLOCK_N] tile a
-    program, K in runs of 32 values. Each weight value is dequantized in fp32 and rounded
-    to VALUE_DTYPE, as the reference rounds its dequantized copy; the dot sums in fp32."""
+    program, K in steps of BLOCK_K (a multiple of the formats' runs of 32 values). Each
+    weight value is dequantized in fp32 and rounded to VALUE_DTYPE, as the reference
+    rounds its dequantized copy; the dot sums in fp32."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rows_m < M, rows_n < N
-    kk = tl.arange(0, 32)
+    kk = tl.arange(0, BLOCK_K)
     group_size = K // GROUPS
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, 32):
+    for k0 in range(0, K, BLOCK_K):
         cols = k0 + kk
-        x = tl.load(x_ptr + rows_m[:, None] * x_stride + cols[None, :], mask=m_mask[:, None],
-                    other=0.0)  # fmt: skip
+        k_mask = (cols < K)[None, :]
+        x = tl.load(x_ptr + rows_m[:, None] * x_stride + cols[None, :],
+                    mask=m_mask[:, None] & k_mask, other=0.0)  # fmt: skip
         groups = (cols // group_size)[None, :]
-        if BITS == 4:  # byte j of a run holds value j (low nibble) and j + 16 (high)
-            at = w_ptr + rows_n[:, None] * (K // 2) + (k0 // 2 + kk % 16)[None, :]
-            byte = tl.load(at, mask=n_mask[:, None], other=0).to(tl.int32)
-            q = ((byte >> ((kk // 16) * 4)[None, :]) & 15).to(tl.float32)
-            w = q * _group_field(s_ptr, rows_n, groups, n_mask, GROUPS, PER_SUPER)
-            w += _group_field(m_ptr, rows_n, groups, n_mask, GROUPS, PER_SUPER)
+        w_mask = n_mask[:, None] & k_mask
+        if BITS == 4:  # byte j of a run of 32 holds value j (low nibble) and j + 16 (high)
+            within = kk % 32
+            byte_at = (k0 + kk - within) // 2 + within % 16
+            at = w_ptr + rows_n[:, None] * (K // 2) + byte_at[None, :]
+            byte = tl.load(at, mask=w_mask, other=0).to(tl.int32)
+            q = ((byte >> ((within // 16) * 4)[None, :]) & 15).to(tl.float32)
+            w = q * _group_field(s_ptr, rows_n, groups, w_mask, GROUPS, PER_SUPER)
+            w += _group_field(m_ptr, rows_n, groups, w_mask, GROUPS, PER_SUPER)
         else:
             at = w_ptr + rows_n[:, None] * K + cols[None, :]
-            q = tl.load(at, mask=n_mask[:, None], other=0).to(tl.float32)
-            w = q * _group_field(s_ptr, rows_n, groups, n_mask, GROUPS, PER_SUPER)
+            q = tl.load(at, mask=w_mask, other=0).to(tl.float32)
+            w = q * _group_field(s_ptr, rows_n, groups, w_mask, GROUPS, PER_SUPER)
         w = w.to(VALUE_DTYPE).to(DOT_DTYPE)
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w), input_precision=PRECISION)
     if HAS_BIAS:
