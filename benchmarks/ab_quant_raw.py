@@ -48,9 +48,10 @@ def weights(fmt: str, shapes: list[tuple[int, int]], group: int, seed: int = 0) 
     return out
 
 
-def call(lib, fmt: str, x: list[torch.Tensor], ws: list, ys: list[torch.Tensor], group: int):
+def call(lib, fmt: str, x: list[torch.Tensor], ws: list, ys: list[torch.Tensor], group: int,
+         extra_flags: int = 0):  # fmt: skip
     for (n, k, w, s, mn), xi, y in zip(ws, x, ys):
-        m, flags = xi.shape[0], 1  # bf16 x, fp32 y, fp16 scales
+        m, flags = xi.shape[0], 1 | extra_flags  # bf16 x, fp32 y, fp16 scales
         if fmt == "q4":
             lib.q4_linear_region(xi.data_ptr(), flags, w.data_ptr(), s.data_ptr(),
                                  mn.data_ptr(), 0, y.data_ptr(), m, n, k, group,
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--group", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--flags", type=int, default=0, help="flag bits added to every call "
+                        "(32: Q8_0's strips may quantize activations)")  # fmt: skip
     parser.add_argument("--ms", type=float, default=50.0, help="time a round aims at")
     args = parser.parse_args(argv)
     base = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"],
@@ -94,19 +97,19 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
         ys = {name: [torch.empty(m, n) for n, *_ in ws] for name in libs}
         errors = {}
         for name, lib in libs.items():
-            call(lib, args.format, x, ws, ys[name], args.group)
+            call(lib, args.format, x, ws, ys[name], args.group, args.flags)
             errors[name] = max(((y.double() - want).abs().max() / want.abs().max()).item()
                                for y, want in zip(ys[name], (reference(args.format, xi, w)
                                                              for xi, w in zip(x, ws))))  # fmt: skip
         start = time.perf_counter()
-        call(libs["tree"], args.format, x, ws, ys["tree"], args.group)
+        call(libs["tree"], args.format, x, ws, ys["tree"], args.group, args.flags)
         reps = max(1, int(args.ms / 1e3 / (time.perf_counter() - start)))
         times: dict[str, list[float]] = {name: [] for name in libs}
         for r in range(args.rounds):
             for name in list(libs) if r % 2 else list(libs)[::-1]:
                 start = time.perf_counter()
                 for _ in range(reps):
-                    call(libs[name], args.format, x, ws, ys[name], args.group)
+                    call(libs[name], args.format, x, ws, ys[name], args.group, args.flags)
                 times[name].append((time.perf_counter() - start) / reps)
         per = sorted(b / t for b, t in zip(times["base"], times["tree"]))
         ratios[m] = statistics.median(per)

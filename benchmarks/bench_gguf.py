@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--batches", default="", help="also B x (tokens + tokens) against "
                         "llama-batched-bench on each file, e.g. 16,64")  # fmt: skip
     parser.add_argument("--name", default="gguf_decode", help="results file name")
+    parser.add_argument(
+        "--exact-too",
+        action="store_true",
+        help="also batched rounds with exact products (int8_activations off)",
+    )
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     files = [Path(f) for f in args.files] if args.files else [
@@ -94,6 +99,9 @@ def main(argv: list[str] | None = None) -> Path:
     batches = [int(b) for b in args.batches.split(",") if b]
     seqs = max([1, *batches])
     engines = {f: LLM(str(f), max_model_len=1024, max_num_seqs=seqs) for f in files}
+    exact_cc = {"passes": {"int8_activations": False}}
+    exact = {f: LLM(str(f), max_model_len=1024, max_num_seqs=seqs, compilation_config=exact_cc)
+             for f in (files if args.exact_too else [])}  # fmt: skip
     speeds: dict[tuple[str, str], list[float]] = {}
     build = "not run"
     for r in range(args.rounds):
@@ -109,6 +117,10 @@ def main(argv: list[str] | None = None) -> Path:
                 vocab = llm.engine_config.model_config.hf_config.vocab_size
                 ours = fixed_shapes(llm, [b], args.tokens, vocab, seed=1000 * r + b)[0]
                 speeds.setdefault((f.name, f"compilecore {b} x"), []).append(ours["tok_s"])
+                if f in exact:
+                    ours = fixed_shapes(exact[f], [b], args.tokens, vocab, seed=1000 * r + b + 1)
+                    speeds.setdefault((f.name, f"compilecore exact {b} x"), []).append(
+                        ours[0]["tok_s"])  # fmt: skip
                 if use_llama:
                     theirs = llama_batched_bench([b], args.tokens, threads, f, f.name)[0]
                     speeds.setdefault((f.name, f"llama-batched-bench {b} x"), []).append(
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> Path:
     rows = []
     for (name, engine), values in speeds.items():
         row = {"file": name, "engine": engine, "tok/s median (range)": spread(values)}
-        batch = engine.split(" ", 1)[1] if engine.startswith("compilecore ") else ""
+        batch = engine.split(" ")[-2] + " x" if engine.endswith(" x") else ""
         peer_name = f"llama-batched-bench {batch}" if batch.endswith(" x") else "llama-bench"
         peer = speeds.get((name, peer_name))
         if peer and engine.startswith("compilecore"):

@@ -76,7 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     path = Path(args.model) if args.model else find_gguf()
     results = {}
+    exact = {"compilation_config": {"passes": {"int8_activations": False}}}
     for name, kwargs in (("compilecore (bf16, blocks)", {}),
+                         ("compilecore (bf16, blocks, exact products)", exact),
                          ("compilecore (fp32, eager)", {"dtype": "float32",
                                                         "enforce_eager": True})):  # fmt: skip
         llm = LLM(str(path), enable_prefix_caching=False, max_model_len=args.ctx + 8, **kwargs)

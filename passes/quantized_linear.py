@@ -21,7 +21,8 @@ choice is made per call, so the symbolic-size code serves batched decode from th
 too. One site per linear layer: 4 per Llama layer. Runs before every pass that takes
 plain products (native_linear, gemv_to_reduction, packed_linear), which would otherwise
 take the dequantized weight for an ordinary one; with it off (`native_kernels=False`),
-`decompose_dequantize` hands the pair to Inductor.
+`decompose_dequantize` hands the pair to Inductor. With `int8_activations` (CPU default)
+the q8 products take `int8_x=True`: Q8_0's many-row products quantize x as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from passes.ops.quantized import dequantized_dtype
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _patterns(dtype: torch.dtype) -> list[tuple]:
+def _patterns(dtype: torch.dtype, int8_x: bool) -> list[tuple]:
     ops = torch.ops.compilecore
 
     def mm_q4(x, w, s, m):
@@ -59,10 +60,10 @@ def _patterns(dtype: torch.dtype) -> list[tuple]:
         return ops.q4_linear.default(x, w, s, m, b)
 
     def q8(x, w, s):
-        return ops.q8_linear.default(x, w, s)
+        return ops.q8_linear.default(x, w, s, None, None, int8_x)
 
     def q8_bias(b, x, w, s):
-        return ops.q8_linear.default(x, w, s, b)
+        return ops.q8_linear.default(x, w, s, b, None, int8_x)
 
     n, k = 8, 64
     x, b = torch.empty(2, k, dtype=dtype), torch.empty(n, dtype=dtype)
@@ -87,13 +88,23 @@ def _on_device(match, dtype: torch.dtype) -> bool:
 
 
 class QuantizedLinearPass(PatternPass):
+    """`int8_x`: the q8 products may quantize activations where many rows make them
+    compute-bound (`compilecore.q8_linear`'s argument; PassConfig.int8_activations)."""
+
     name = "quantized_linear"
     depends_on = ("passes.ops.quantized",)
+
+    def __init__(self, int8_x: bool = False):
+        self.int8_x = int8_x
+        super().__init__()
+
+    def config(self) -> dict:
+        return super().config() | {"int8_x": self.int8_x}
 
     def register(self) -> None:
         for dtype in DTYPES:
             check = functools.partial(_on_device, dtype=dtype)
-            for search, replace, example in _patterns(dtype):
+            for search, replace, example in _patterns(dtype, self.int8_x):
                 register_replacement(
                     search, replace, example, trace_pattern, self.patterns, extra_check=check
                 )

@@ -5,7 +5,9 @@ in the model file (which keeps vLLM's contract: a `LogitsProcessor` and nothing 
   close to memory bandwidth (bf16 on AVX512-BF16; greedy steps may read its int8 screen,
   passes/ops/gemv.py), recorded into CPU graphs; else a compiled reduction loop;
 - more rows: `compilecore.packed_mm` on a copy of the weight packed once, as the
-  `packed_linear` pass runs the model's own products.
+  `packed_linear` pass runs the model's own products;
+- a quantized head (a GGUF's Q8_0 or Q6_K): its own product on the blocks, with int8
+  activations where `int8_activations` gives them to the model's q8 products.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ def small_batch_lm_head(engine_config: EngineConfig) -> Callable | None:
 def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> None:
     """Give every `LogitsProcessor` of `model` this engine's LM head kernels."""
     small, batched = small_batch_lm_head(engine_config), batched_lm_head(engine_config)
+    cc = engine_config.compilation_config
+    # As the quantized_linear pass gives the model's q8 products (eager stays exact: the
+    # reference for compiled).
+    int8 = (
+        engine_config.device.type == "cpu"
+        and cc.mode != "none"
+        and (cc.passes.int8_activations and cc.passes.resolved("cpu")["quantized_linear"])
+    )
     for module in model.modules():
         if isinstance(module, LogitsProcessor):
             module.small_batch_gemv, module.linear = small, batched
+            module.int8_activations = bool(int8)

@@ -149,9 +149,9 @@ def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
 @testing.settings(max_examples=20)
 @given(rows=st.integers(1, 16), n=st.integers(1, 40), runs=st.sampled_from([2, 4, 18]),
        fmt=st.sampled_from(["q4", "q4_k", "q4_g128", "q8", "q6_k", "int8"]),
-       outliers=st.booleans(),
+       outliers=st.booleans(), int8_x=st.booleans(),
        seed=st.integers(0, 2**16))  # fmt: skip
-def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers, seed):
+def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers, int8_x, seed):
     """bf16 activations: on AVX512-BF16 the product is exact but for fp32 sums and the
     output's bf16 rounding; on the integer path (AVX512-VNNI without it) each run of 32
     activations is quantized to int8 against its largest magnitude / 127, as llama.cpp
@@ -159,7 +159,9 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     run. q4's bf16 path takes its +128 offset off per group (below), which cancels:
     outliers (a channel ~1000x the rest, as real models have) show that term; q8's
     multiplies the integers themselves and has none. q8 groups: Q8_0's 32, Q6_K's 16 and
-    int8's whole row; q4 groups of 32 and of 128 (int4_g128)."""
+    int8's whole row; q4 groups of 32 and of 128 (int4_g128). `int8_x` (q8's argument):
+    Q8_0's strips (6 rows and more, 16 weight rows) quantize activations the same way on
+    CPUs with both AVX512-BF16 and AVX512-VNNI, under the same bound."""
     g = torch.Generator().manual_seed(seed)
     whole = 256 * max(1, runs // 4)  # the K-quants' super-blocks
     k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole, "q6_k": whole}.get(fmt, 32 * runs)
@@ -175,14 +177,15 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     else:
         group = {"q8": 32, "q6_k": 16, "int8": k}[fmt]
         fields = _q8_fields(g, n, k, group, fmt == "q6_k")
-        got = ops.q8_linear(x, *fields, None, torch.float32)
+        got = ops.q8_linear(x, *fields, None, torch.float32, int8_x)
         w = quantized.dequantize_q8_ref(*fields, torch.float64)
     xd = x.double()
     want = xd @ w.T
     sums = xd.abs() @ w.abs().T  # what fp32 sums can lose, relative
     bound = sums * 1e-5 + 1e-6
     path = quantized.kernel_path()
-    if path == "int8" and fmt in ("q4", "q4_k", "q8"):  # other groups: the fp32 path
+    int8_strips = int8_x and fmt == "q8" and quantized.int8_strips() and rows >= 6 and n >= 16
+    if (path == "int8" and fmt in ("q4", "q4_k", "q8")) or int8_strips:  # else fp32 or bf16
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
         run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
         bound = bound + (run_max / 254) @ run_w.T * 1.001
@@ -195,12 +198,14 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q6_k", "int8", "q4", "q4_k", "q4_g128"])
+@pytest.mark.parametrize("fmt", ["q8", "q8_int8_x", "q6_k", "int8", "q4", "q4_k", "q4_g128"])
 def test_strips_write_bias_bf16_and_tail_rows(fmt):
     """Enough rows for the strips of 16 weight rows (40 = two strips and 8 rows left to
     the row product) with a bias and bf16 outputs: each output within fp32 sums of the
     reference plus its own bf16 rounding, bias added once, q4's mins through the sums of
-    x."""
+    x. `q8_int8_x`: Q8_0's strips on int8 activations (where the CPU has them: the strip
+    rows differ from the exact product, within the quantization's bound; the tail rows
+    are exact)."""
     g = torch.Generator().manual_seed(len(fmt))
     rows, n, k = 21, 40, 256
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -210,12 +215,19 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt):
         got = ops.q4_linear(x, *fields, bias, torch.bfloat16).double()
         values = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
-        group = {"q8": 32, "q6_k": 16, "int8": k}[fmt]
+        group = {"q8": 32, "q8_int8_x": 32, "q6_k": 16, "int8": k}[fmt]
         fields = _q8_fields(g, n, k, group, fmt == "q6_k")
-        got = ops.q8_linear(x, *fields, bias, torch.bfloat16).double()
+        got = ops.q8_linear(x, *fields, bias, torch.bfloat16, fmt == "q8_int8_x").double()
         values = quantized.dequantize_q8_ref(*fields, torch.float64)
     want = x.double() @ values.T + bias.double()
     bound = (x.double().abs() @ values.abs().T) * 1e-5 + want.abs() * 2**-8 + 1e-6
+    if fmt == "q8_int8_x" and quantized.int8_strips():
+        exact = bool(((got - want).abs() <= bound).all(0)[32:].all())  # the tail: exact
+        run_max = x.double().abs().reshape(rows, k // 32, 32).amax(-1)
+        run_w = values.abs().reshape(n, k // 32, 32).sum(-1)
+        quantization = (run_max / 254) @ run_w.T * 1.001
+        assert exact and not bool(((got - want).abs() <= bound)[:, :32].all())
+        bound = bound + quantization
     assert bool(((got - want).abs() <= bound).all())
 
 
@@ -480,7 +492,9 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
     """The engine on a GGUF file, compiled (the quantized products recorded into CPU
     graphs) against eager, both bf16, on the same tokens. Q8_0 layers with 9 prompts: the
     q8 products' strips (8 rows and more) in prefill and in the batch of 16's graph, and
-    the tokens against HF fp32 on the file's dequantized weights up to the first near tie.
+    the tokens against HF fp32 on the file's dequantized weights up to the first near tie;
+    compiled with exact products (`int8_activations` off) against eager, and with the
+    default's int8 activations in the strips against HF up to the first tie within 0.05.
     `k_mix`: Q4_K with Q6_K v projections (each QKV's parts multiplied apart), in fp32."""
     from runtime import LLM, SamplingParams
     from tests.gguf_files import write_gguf
@@ -504,9 +518,11 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
     # k_mix in fp32: this model's logits (~4) move by more than HF's near-tie margin under
     # bf16 activations, and eager in bf16 rounds the K-quants' values (fp32 scales).
     dtype = "float32" if layers == "k_mix" else "auto"
-    for eager in (True, False):
+    runs = [(True, False), (False, False)] + [(False, True)] * (layers == "q8_0")
+    for eager, int8 in runs:  # (enforce_eager, int8_activations)
+        passes = {"int8_activations": int8}
         llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128,
-                  dtype=dtype)  # fmt: skip
+                  dtype=dtype, compilation_config={"passes": passes})  # fmt: skip
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                    use_tqdm=False)])  # fmt: skip
         del llm
@@ -515,6 +531,11 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
         wanted = [hf_greedy_checked(oracle, p, 12, 0.02) for p in prompts]
         assert sum(checked for _, checked in wanted) >= 40, "near ties too early"
         for got, (want, checked) in zip(outs[1], wanted):
+            assert got[:checked] == want[:checked]
+    if layers == "q8_0":
+        wanted = [hf_greedy_checked(oracle, p, 12, 0.05) for p in prompts]
+        assert sum(checked for _, checked in wanted) >= 25, "near ties too early"
+        for got, (want, checked) in zip(outs[2], wanted):
             assert got[:checked] == want[:checked]
 
 

@@ -15,7 +15,8 @@ from passes.ops import gemv
 class LogitsProcessor(nn.Module):
     """Hidden states -> logits over the whole vocabulary (gathered across TP ranks).
 
-    The runtime may give it kernels (runtime/lm_head.py; the model file never chooses one):
+    The runtime may give it kernels (runtime/lm_head.py; the model file never chooses one),
+    and for a quantized head whether its q8 product may quantize activations:
     `small_batch_gemv` for a single row, which reads the (large) LM head weight at close
     to memory bandwidth and returns fp32 logits, and `linear` for more rows, a kernel on a
     weight packed once. Without them: `F.linear`."""
@@ -35,6 +36,8 @@ class LogitsProcessor(nn.Module):
         self.vocab_size, self.scale = vocab_size, scale
         self.small_batch_gemv = small_batch_gemv
         self.linear = linear
+        # A quantized head's q8 product may take int8 activations (the runtime's choice).
+        self.int8_activations = False
         # Whether this model's next logits serve only an argmax (greedy rows without
         # logprobs): the model runner sets it per step, and the batch-1 head takes it as an
         # argument. One per model: two engines stepping at once never share it.
@@ -50,7 +53,7 @@ class LogitsProcessor(nn.Module):
         if lm_head.quant_format is not None:  # fp32 logits, as the kernels below give
             fields = quant_fields(lm_head)
             logits = lm_head.quant_format.product(hidden_states, fields, lm_head.bias,
-                                                  torch.float32)  # fmt: skip
+                                                  torch.float32, self.int8_activations)  # fmt: skip
         elif self.small_batch_gemv is not None and small:
             logits = self._small_batch(lm_head, hidden_states)
         elif self.linear is not None and lm_head.bias is None:

@@ -81,12 +81,13 @@ class QuantFormat:
 
     def product(self, x: torch.Tensor, fields: Sequence[torch.Tensor],
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                ) -> torch.Tensor:  # fmt: skip
+                int8_x: bool = False) -> torch.Tensor:  # fmt: skip
         """x @ values^T (+ bias) read straight from the blocks (the LM head's product,
-        which runs outside compiled code)."""
+        which runs outside compiled code); `int8_x`: q8's argument of that name."""
         ops = torch.ops.compilecore
-        product = ops.q8_linear if self.bits == 8 else ops.q4_linear
-        return product(x, *fields, bias, out_dtype)
+        if self.bits == 8:
+            return ops.q8_linear(x, *fields, bias, out_dtype, int8_x)
+        return ops.q4_linear(x, *fields, bias, out_dtype)
 
 
 def quant_fields(module: nn.Module, fmt: QuantFormat | None = None, suffix: str = ""

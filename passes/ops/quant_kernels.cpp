@@ -2,7 +2,7 @@
 // y [M, N] = x [M, K] @ dequantize(w)^T (+ bias); `flags` bit 0: x and bias are bf16 (else
 // fp32), bit 1: y is bf16 (else fp32), bit 2: scales and mins are fp32 (else fp16), bit 4:
 // they are stored compact, as Q4_K's (q4) or Q6_K's (q8) super-blocks hold them
-// (`CompactScales` below).
+// (`CompactScales` below), bit 5: Q8_0's strips may quantize x to int8 (`Strip8`).
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
@@ -551,8 +551,107 @@ inline void strip_rows_mb(int64_t mb, const bf16* x, const float* const* sums, i
   }
 }
 #define CC_BF16_PATH 1
+
+#if defined(__AVX512VNNI__)
+// Q8_0 strips with int8 activations (many rows: compute-bound). x quantized per run of
+// 32 (scale = max |x| / 127, as llama.cpp quantizes activations for its Q8_0 products),
+// then offset to unsigned (+128) for `vpdpbusd`, which adds 4 products of u8 x s8 into
+// each of 16 int32 lanes: 64 products an instruction where `vdpbf16ps` does 32. The strip
+// holds the weights' bytes as quads of k across its 16 rows ([K/4][16] int32), and per run
+// -128 * each row's sum of the run's weights, which takes the offset off exactly:
+//   sum_j (xq_j + 128) w_j - 128 sum_j w_j = sum_j xq_j w_j   (int32, exact)
+// then one fp32 multiply by the weight's and the activation's scales a run.
+struct Strip8 {
+  __m512i* wq;     // [K/4][16] quads of int8
+  __m512i* minus;  // [K/32][16] int32: -128 * the run's weight sum
+  float* ds;       // [K/32][16] the weights' scales
+};
+
+template <typename S>
+inline void pack_strip_int8(const int8_t* w, const S* s, int64_t K, int64_t groups, Strip8 st) {
+  for (int64_t k = 0; k < K; k += 64) {
+    __m512i r[16];
+    for (int n = 0; n < TILE_N; ++n) r[n] = _mm512_loadu_si512(w + n * K + k);
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(st.wq + k / 4 + j, r[j]);
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t run = 0; run < K / 32; ++run) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int q = 0; q < 8; ++q)
+      sum = _mm512_dpbusd_epi32(sum, ones, _mm512_load_si512(st.wq + run * 8 + q));
+    _mm512_store_si512(st.minus + run, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                        _mm512_slli_epi32(sum, 7)));
+    for (int n = 0; n < TILE_N; ++n) st.ds[run * TILE_N + n] = scale1(s[n * groups + run]);
+  }
+}
+
+// One bf16 row of x as unsigned bytes (xq + 128) and a scale a run of 32.
+inline void quantize_row_u8(const bf16* x, int64_t K, uint8_t* q, float* scale) {
+  for (int64_t run = 0; run < K / 32; ++run) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h)
+      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x + run * 32 + h * 16))), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]),
+                                                          _mm512_abs_ps(v[1])));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    for (int h = 0; h < 2; ++h) {
+      const __m128i b = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[h], inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + run * 32 + h * 16),
+                       _mm_xor_si128(b, _mm_set1_epi8(char(0x80))));
+    }
+    scale[run] = amax / 127.f;
+  }
+}
+
+// out[m][0..15] = x[m] . the strip's rows for MB quantized rows of x.
+template <int MB>
+inline void strip_rows_int8(const uint8_t* xq, const float* sx, int64_t K, Strip8 st,
+                            float* out) {
+  __m512 acc[STRIP_MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t runs = K / 32;
+  for (int64_t run = 0; run < runs; ++run) {
+    __m512i t[STRIP_MB];
+    const __m512i start = _mm512_load_si512(st.minus + run);
+    for (int m = 0; m < MB; ++m) t[m] = start;
+    for (int q = 0; q < 8; ++q) {
+      const __m512i w = _mm512_load_si512(st.wq + run * 8 + q);
+      for (int m = 0; m < MB; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * K + run * 32 + q * 4, 4);
+        t[m] = _mm512_dpbusd_epi32(t[m], _mm512_set1_epi32(quad), w);
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(st.ds + run * TILE_N);
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]),
+                               _mm512_mul_ps(d, _mm512_set1_ps(sx[m * runs + run])), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + m * TILE_N, acc[m]);
+}
+
+inline void strip_rows_int8_mb(int64_t mb, const uint8_t* xq, const float* sx, int64_t K,
+                               Strip8 st, float* out) {
+  switch (mb) {
+    case 8: return strip_rows_int8<8>(xq, sx, K, st, out);
+    case 7: return strip_rows_int8<7>(xq, sx, K, st, out);
+    case 6: return strip_rows_int8<6>(xq, sx, K, st, out);
+    case 5: return strip_rows_int8<5>(xq, sx, K, st, out);
+    case 4: return strip_rows_int8<4>(xq, sx, K, st, out);
+    case 3: return strip_rows_int8<3>(xq, sx, K, st, out);
+    case 2: return strip_rows_int8<2>(xq, sx, K, st, out);
+    default: return strip_rows_int8<1>(xq, sx, K, st, out);
+  }
+}
+#define CC_INT8_STRIPS 1  // AVX512-BF16 CPUs: Zen 4, Sapphire Rapids and later
+#endif
 #else
 #define CC_BF16_PATH 0
+#endif
+#ifndef CC_INT8_STRIPS
+#define CC_INT8_STRIPS 0
 #endif
 
 // y[m, n] = out[m] (+ bias[n]), the bias added in fp32 with one rounding (as addmm).
@@ -605,12 +704,16 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const Path path = choose(Q4, bf, K, g);
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
-  const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
-                          : Q4 && path == Path::bf16 ? K / 2 + K / 16 : 0;
-  const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
-  const int64_t groups = K / g;
   const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
   const bool strips = path == Path::bf16 && M >= tiled_rows && N >= TILE_N;
+  // Q8_0's strips with int8 activations where the caller allows it (flags bit 5)
+  const bool int8_strips = CC_INT8_STRIPS && strips && !Q4 && g == 32 && K % 64 == 0 &&
+                           (flags & 32);
+  const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
+                          : Q4 && path == Path::bf16 ? K / 2 + K / 16
+                          : int8_strips ? K / 4 + K / 32 : 0;
+  const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
+  const int64_t groups = K / g;
   const int64_t strip_groups = Q4 ? K / 32 : groups;  // q4's strips scale per run
   const int shift = runs_shift(g);  // q4's runs a group, as a shift
   const int64_t strip_floats = strips ? K * 8 + 2 * strip_groups * TILE_N + 16 : 0;
@@ -646,8 +749,37 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #endif
   const int64_t row_bytes = Q4 ? K / 2 : K;
   int64_t tiled = 0;  // rows [0, tiled) of w go by strips
+#if CC_INT8_STRIPS
+  if constexpr (!Q4) {
+    if (int8_strips) {
+      uint8_t* xq = reinterpret_cast<uint8_t*>(extra);
+      float* sx = extra + M * K / 4;
+      for (int64_t m = 0; m < M; ++m)
+        quantize_row_u8(static_cast<const bf16*>(x) + m * K, K, xq + m * K, sx + m * (K / 32));
+      tiled = N / TILE_N * TILE_N;
+      const auto [sb, se] = share(N / TILE_N);
+      const uintptr_t at = reinterpret_cast<uintptr_t>(extra + M * per_row);
+      Strip8 st;
+      st.wq = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
+      st.minus = st.wq + K / 4;
+      st.ds = reinterpret_cast<float*>(st.minus + K / 32);
+      for (int64_t strip = sb; strip < se; ++strip) {
+        const int64_t n0 = strip * TILE_N;
+        pack_strip_int8(static_cast<const int8_t*>(w) + n0 * K,
+                        scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), K,
+                        groups, st);
+        for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
+          float out[STRIP_MB * TILE_N];
+          const int64_t mb = M - m0 < STRIP_MB ? M - m0 : STRIP_MB;
+          strip_rows_int8_mb(mb, xq + m0 * K, sx + m0 * (K / 32), K, st, out);
+          store_strip(y, flags, bias, N, n0, m0, mb, out);
+        }
+      }
+    }
+  }
+#endif
 #if CC_BF16_PATH
-  if (strips) {
+  if (strips && !int8_strips) {
     tiled = N / TILE_N * TILE_N;
     const auto [sb, se] = share(N / TILE_N);
     const uintptr_t at = reinterpret_cast<uintptr_t>(extra + M * per_row);
@@ -823,6 +955,9 @@ int64_t quant_kernels_vectorized() {
   return 0;
 #endif
 }
+
+// Whether Q8_0's strips can take int8 activations here (flags bit 5 asks for it).
+int64_t quant_kernels_int8_strips() { return CC_INT8_STRIPS; }
 
 // The path a call with bf16 activations takes (`choose`): 0 fp32, 1 bf16, 2 int8; the
 // Python side asks rather than repeating the rule.

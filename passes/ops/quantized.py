@@ -189,6 +189,14 @@ def kernel_path() -> str:
 
 
 @functools.cache
+def int8_strips() -> bool:
+    """Whether `q8_linear(..., int8_x=True)` quantizes activations here (AVX512-BF16 and
+    AVX512-VNNI: Q8_0's strips, 6 rows and more)."""
+    lib = _kernel()
+    return lib is not None and bool(lib.quant_kernels_int8_strips())
+
+
+@functools.cache
 def _bf16_path(bits: int, k: int, group: int) -> bool:
     """Whether the kernel takes bf16 activations on its exact bf16 path for this shape."""
     lib = _kernel()
@@ -203,7 +211,7 @@ def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
 
 def _product_call(
     name: str, x: torch.Tensor, w: torch.Tensor, fields: tuple, bias: torch.Tensor | None,
-    y: torch.Tensor,
+    y: torch.Tensor, int8_x: bool = False,
 ) -> NativeCall | None:  # fmt: skip
     """The kernel's call for y = x @ dequantize(w, *fields)^T (+ bias), or None where it
     does not apply (a GPU, another dtype, a strided input, many rows, no compiler)."""
@@ -226,7 +234,7 @@ def _product_call(
     m, k = x.shape
     n = w.shape[0]
     flags = int(x.dtype == torch.bfloat16) | 2 * int(y.dtype == torch.bfloat16)
-    flags |= _scale_flags(fields[0])
+    flags |= _scale_flags(fields[0]) | 32 * int(bool(int8_x))
     args = (x, flags, w, *fields, 0 if bias is None else bias, y, m, n, k, k // groups)
     team, region = getattr(lib, f"{name}_team"), getattr(lib, f"{name}_region")
     return NativeCall(
@@ -241,8 +249,8 @@ def _q4_call(args: tuple, out: torch.Tensor) -> NativeCall | None:
 
 
 def _q8_call(args: tuple, out: torch.Tensor) -> NativeCall | None:
-    x, w, scales, bias = (*args, None)[:4]
-    return _product_call("q8_linear", x, w, (scales,), bias, out)
+    x, w, scales, bias, _, int8_x = (*args, None, None, False)[:6]
+    return _product_call("q8_linear", x, w, (scales,), bias, out, int8_x)
 
 
 def _product_ref(x, weight, bias, out_dtype):
@@ -257,7 +265,8 @@ def q4_linear_ref(x, w, scales, mins, bias=None, out_dtype=None):
     return _product_ref(x, dequantize_q4_ref(w, scales, mins, dtype), bias, out_dtype)
 
 
-def q8_linear_ref(x, w, scales, bias=None, out_dtype=None):
+def q8_linear_ref(x, w, scales, bias=None, out_dtype=None, int8_x=False):
+    """The exact product (`int8_x` allows the kernel an approximation; never the reference)."""
     dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
     return _product_ref(x, dequantize_q8_ref(w, scales, dtype), bias, out_dtype)
 
@@ -272,9 +281,13 @@ def q4_linear(x, w, scales, mins, bias=None, out_dtype=None):
     return y
 
 
-def q8_linear(x, w, scales, bias=None, out_dtype=None):
+def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False):
+    """y [M, N] = x @ dequantize_q8(w, scales)^T (+ bias). `int8_x`: where a call takes
+    Q8_0's strips (bf16 x, 6 rows and more, groups of 32, AVX512-VNNI), x may be quantized
+    to int8 per run of 32 as llama.cpp does: 1.5x the exact products' speed, within ~1% of
+    the largest output (tests/test_quantized.py bounds it). Fewer rows stay exact."""
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
-    call = _q8_call((x, w, scales, bias), y)
+    call = _q8_call((x, w, scales, bias, out_dtype, int8_x), y)
     if call is None:
         return q8_dense_product(x, w, scales, bias, out_dtype)
     call.run()
@@ -298,7 +311,7 @@ def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None):
     return quant_linear_triton(x, w, (scales, mins), bias, out_dtype)
 
 
-def q8_linear_cuda(x, w, scales, bias=None, out_dtype=None):
+def q8_linear_cuda(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     from passes.ops.triton_quant import quant_linear_triton
 
     return quant_linear_triton(x, w, (scales,), bias, out_dtype)
@@ -308,7 +321,7 @@ def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
 
 
-def _fake_q8(x, w, scales, bias=None, out_dtype=None):
+def _fake_q8(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
 
 
@@ -330,7 +343,7 @@ _LIB.define(
 )
 _LIB.define(
     "q8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias=None, "
-    "ScalarType? out_dtype=None) -> Tensor"
+    "ScalarType? out_dtype=None, bool int8_x=False) -> Tensor"
 )
 _LIB.impl("dequantize_q4", dequantize_q4, "CPU")
 _LIB.impl("dequantize_q8", dequantize_q8, "CPU")
