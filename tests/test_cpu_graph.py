@@ -263,6 +263,30 @@ def test_declared_native_call_is_replayed(tmp_path):
     assert torch.equal(dst, src)
 
 
+def test_a_declared_op_called_with_a_keyword_after_a_skipped_default_is_recorded(tmp_path):
+    """`q8_linear(x, w, scales, int8_x=True)` skips bias and out_dtype: the dispatcher hands
+    the capture every argument in the schema's order (defaults filled in), so the declared
+    entry records the call the op made (int8 activations on Q8_0's strips where the CPU
+    has them) and its replay gives the eager result bit for bit."""
+    from passes.ops import quantized
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 32, 128
+    x = torch.randn(8, k, generator=g).bfloat16()
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half()
+    op = torch.ops.compilecore.q8_linear
+    if quantized._kernel() is None:
+        pytest.skip("the quantized kernels do not build here")
+    want = op(x, w, s, None, None, True)
+    out, graph = cpu_graph.capture(lambda: op(x, w, s, int8_x=True), tmp_path)
+    assert torch.equal(out, want) and graph.num_calls == 1
+    out.zero_()
+    assert torch.equal(graph.replay(), want)
+    if quantized.int8_strips():  # the keyword reached the kernel: not the exact product
+        assert not torch.equal(want, op(x, w, s))
+
+
 TEAM_SOURCE = r"""
 #include <cstdint>
 #include <omp.h>
