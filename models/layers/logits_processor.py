@@ -15,11 +15,12 @@ from passes.ops import gemv
 class LogitsProcessor(nn.Module):
     """Hidden states -> logits over the whole vocabulary (gathered across TP ranks).
 
-    The runtime may give it kernels (runtime/lm_head.py; the model file never chooses one),
-    and for a quantized head whether its q8 product may quantize activations:
+    The runtime may give it kernels (runtime/lm_head.py; the model file never chooses one):
     `small_batch_gemv` for a single row, which reads the (large) LM head weight at close
     to memory bandwidth and returns fp32 logits, and `linear` for more rows, a kernel on a
-    weight packed once. Without them: `F.linear`."""
+    weight packed once. Without them: `F.linear`. A quantized head runs its own product
+    on the blocks, with int8 activations for q8 where the runtime sets
+    `int8_activations`."""
 
     # One row: a reduction over several rows re-reads the weight per row (batch-4 decode
     # 120 -> 137 tok/s with F.linear instead, benchmarks/NOTES.md section 20).
