@@ -210,16 +210,22 @@ struct QuantRow {
   int32_t* bias;  // [K/4]: -128 * each 4 values' sum of q (q8: weights offset to unsigned)
 };
 
+// One run of 32 activations (a: 0-15, b: 16-31) to int8 against max |x| / 127, each byte
+// xor'ed with `flip` (0x80 makes them unsigned, + 128), into q; returns the run's scale.
+inline float quantize_run(__m512 a, __m512 b, __m128i flip, void* q) {
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  const __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+  const __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
+  _mm_storeu_si128(static_cast<__m128i*>(q), _mm_xor_si128(qa, flip));
+  _mm_storeu_si128(static_cast<__m128i*>(q) + 1, _mm_xor_si128(qb, flip));
+  return amax / 127.f;
+}
+
 inline void quantize_row(const float* x, int64_t K, QuantRow r) {
   for (int64_t run = 0; run < K / 32; ++run) {
     const __m512 a = _mm512_loadu_ps(x + run * 32), b = _mm512_loadu_ps(x + run * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    const __m128i qa = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
-    const __m128i qb = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q + run * 32), qa);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r.q + run * 32 + 16), qb);
-    r.scale[run] = amax / 127.f;
+    r.scale[run] = quantize_run(a, b, _mm_setzero_si128(), r.q + run * 32);
     r.sum[run] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
   }
   const __m512i offset = _mm512_set1_epi8(char(0x80));
@@ -593,15 +599,7 @@ inline void quantize_row_u8(const bf16* x, int64_t K, uint8_t* q, float* scale) 
     for (int h = 0; h < 2; ++h)
       v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(x + run * 32 + h * 16))), 16));
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]),
-                                                          _mm512_abs_ps(v[1])));
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    for (int h = 0; h < 2; ++h) {
-      const __m128i b = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v[h], inv)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + run * 32 + h * 16),
-                       _mm_xor_si128(b, _mm_set1_epi8(char(0x80))));
-    }
-    scale[run] = amax / 127.f;
+    scale[run] = quantize_run(v[0], v[1], _mm_set1_epi8(char(0x80)), q + run * 32);
   }
 }
 
@@ -707,8 +705,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
   const bool strips = path == Path::bf16 && M >= tiled_rows && N >= TILE_N;
   // Q8_0's strips with int8 activations where the caller allows it (flags bit 5)
-  const bool int8_strips = CC_INT8_STRIPS && strips && !Q4 && g == 32 && K % 64 == 0 &&
-                           (flags & 32);
+  const bool int8_strips = CC_INT8_STRIPS && strips && !Q4 && g == 32 && (flags & 32);
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
                           : Q4 && path == Path::bf16 ? K / 2 + K / 16
                           : int8_strips ? K / 4 + K / 32 : 0;
