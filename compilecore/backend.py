@@ -34,6 +34,7 @@ from compilecore.cuda_graph import CUDAGraphWrapper
 from compilecore.dump import dump_root, write_graphs, write_inductor_code
 from compilecore.recipe import ForwardRecipe, NoRecipe, exec_forward, generated_code, graph_inputs
 from compilecore.split import Piece, graph_signature, split_graph
+from compilecore.wrapper_codegen import recorded_kernel_calls
 from passes.manager import PostGradPassManager
 
 logger = logging.getLogger("compilecore")
@@ -328,12 +329,13 @@ class CompilecoreBackend:
         if not cache.enabled:
             quiet.setLevel(logging.ERROR)
         try:
-            artifact = torch._inductor.standalone_compile(
-                piece.graph,
-                args,
-                dynamic_shapes="from_tracing_context" if dynamic else "from_example_inputs",
-                options=self.inductor_options(static=not dynamic),
-            )
+            with recorded_kernel_calls():
+                artifact = torch._inductor.standalone_compile(
+                    piece.graph,
+                    args,
+                    dynamic_shapes="from_tracing_context" if dynamic else "from_example_inputs",
+                    options=self.inductor_options(static=not dynamic),
+                )
         finally:
             quiet.setLevel(level)
         self._pass_report(name, self._pass_report_key(piece, args, dynamic))

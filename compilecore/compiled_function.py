@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from compilecore.compile_cache import CompileCache, compile_cache_root
 from compilecore.config import EngineConfig
 from compilecore.inductor_env import trusted_vec_isa
+from compilecore.wrapper_codegen import CODEGEN_KEY, recorded_kernel_calls
 
 
 class StaticShapeFunction:
@@ -45,6 +46,7 @@ class StaticShapeFunction:
                 [list(a.shape), list(a.stride()), str(a.dtype), a.device.type] for a in args
             ],
             "inductor_options": json.dumps(options, sort_keys=True, default=str),
+            "codegen": CODEGEN_KEY,
         }
         digest = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:24]
         cache = CompileCache(self.config, digest, self.name)
@@ -53,12 +55,13 @@ class StaticShapeFunction:
             if artifact is None:
                 # A tuple output: fresh and loaded artifacts then both return a sequence.
                 graph = make_fx(lambda *a: (self.fn(*a),))(*args)
-                artifact = torch._inductor.standalone_compile(
-                    graph,
-                    list(args),
-                    dynamic_shapes="from_example_inputs",
-                    options={"config_patches": dict(options)},
-                )
+                with recorded_kernel_calls():  # a CPU graph may record its kernels
+                    artifact = torch._inductor.standalone_compile(
+                        graph,
+                        list(args),
+                        dynamic_shapes="from_example_inputs",
+                        options={"config_patches": dict(options)},
+                    )
                 cache.save("function", artifact)
         return artifact
 

@@ -8,12 +8,13 @@ every step at that size: weights, the KV cache, the runner's persistent input an
 metadata buffers, and the intermediate buffers, which the graph keeps alive. So the
 capture runs the forward once with
 
-- every Inductor kernel (the `kernel` entry of each generated module) swapped for a
-  recorder of its C function and arguments,
+- every Inductor kernel recorded (its C function and arguments) by the hook the wrapper
+  code calls it through (`kernel_call`; our backend has Inductor write its wrappers so,
+  `wrapper_codegen.py`),
 - every native op (attention, `compilecore.packed_mm`, ...) recorded as the C calls it
   declares next to its registration (`passes.native_calls.declare_entry`), read by
   a dispatch mode that also refuses any other op that computes (an extern GEMM, a
-  fallback), and a profile hook that counts kernel calls the recorders missed,
+  fallback),
 
 and the replay calls the recorded functions in order from C: no Python between kernels.
 (Inductor's `cpp_wrapper` calls its kernels from C, out of sight: the config switches CPU
@@ -37,7 +38,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -138,7 +138,6 @@ class _Capture:
         self.keep: list[Any] = []
         self.checks: list[Callable[[], str | None]] = []
         self.failure: str | None = None
-        self.kernel_calls = 0
 
     def record(
         self,
@@ -190,41 +189,20 @@ def _kernel_address(path: str) -> int:
     return ctypes.cast(ctypes.CDLL(path).kernel, ctypes.c_void_p).value
 
 
-class _KernelRecorder:
-    """Stands in for a generated module's kernel during a capture: records the calls made
-    on the capturing thread (another thread's steps pass straight through)."""
-
-    def __init__(self, kernel: Any, capture: _Capture):
-        self.kernel, self.capture = kernel, capture
-        self.address = _kernel_address(kernel.__self__.__file__)
-        self.thread = threading.get_ident()
-
-    def __call__(self, *args: Any) -> Any:
-        if threading.get_ident() == self.thread:
-            name = Path(self.kernel.__self__.__file__).stem[:12]
-            self.capture.record(self.address, args, f"Inductor kernel {name}")
-            self.capture.kernel_calls += 1
-        return self.kernel(*args)
-
-
-_RECORDER_CODE = _KernelRecorder.__call__.__code__  # its kernel calls are recorded ones
+def kernel_call(kernel: Any, *args: Any) -> Any:
+    """How the wrapper code our backend has Inductor write calls each C++ kernel
+    (`wrapper_codegen.py`): recorded when this thread is capturing, then called."""
+    capture = getattr(_ACTIVE, "capture", None)
+    if capture is not None and _is_inductor_kernel(kernel):
+        path = kernel.__self__.__file__
+        capture.record(_kernel_address(path), args, f"Inductor kernel {Path(path).stem[:12]}")
+    return kernel(*args)
 
 
 def _inductor_modules() -> list[Any]:
     from torch._inductor.codecache import PyCodeCache
 
     return list(getattr(PyCodeCache, "modules", []))
-
-
-# Globals of generated modules whose kernels a capture saw called without a recorder: the
-# modules Inductor loads outside PyCodeCache's list (with its caches disabled, as the pass
-# verifier and dumps run it). The next capture patches them too.
-_UNLISTED_NAMESPACES: list[dict[str, Any]] = []
-
-
-def _kernel_namespaces() -> list[dict[str, Any]]:
-    namespaces = [vars(m) for m in _inductor_modules()] + _UNLISTED_NAMESPACES
-    return list({id(ns): ns for ns in namespaces}.values())  # each once
 
 
 class _RefuseCompute(TorchDispatchMode):
@@ -264,9 +242,9 @@ class _RefuseCompute(TorchDispatchMode):
                                 call.team)  # fmt: skip
 
 
-_ACTIVE = threading.local()  # this thread's capture in progress, if any
-# Patched module globals are seen by every thread: one capture at a time.
-_CAPTURE_LOCK = threading.Lock()
+# This thread's capture in progress, if any. Captures on two threads do not meet: each
+# records its own thread's kernel calls, and dispatch modes are per thread.
+_ACTIVE = threading.local()
 
 
 def is_capturing() -> bool:
@@ -279,52 +257,20 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
     CpuGraphUnsupported, naming what could not be recorded."""
     if is_capturing():
         raise RuntimeError("a CPU graph capture is already running")
-    with _CAPTURE_LOCK:
-        _ACTIVE.capture = _Capture()
-        try:
-            return _capture(fn, _ACTIVE.capture, cache_root)
-        finally:
-            _ACTIVE.capture = None
+    _ACTIVE.capture = _Capture()
+    try:
+        return _capture(fn, _ACTIVE.capture, cache_root)
+    finally:
+        _ACTIVE.capture = None
 
 
 def _capture(fn: Callable[[], Any], cap: _Capture, cache_root: Path) -> tuple[Any, CpuGraph]:
-    patched: list[tuple[dict[str, Any], str, Any]] = []
-    seen = [0]
-    unlisted: list[dict[str, Any]] = []
-
-    def profile(frame, event, arg):
-        if event == "c_call" and _is_inductor_kernel(arg):
-            seen[0] += 1
-            if frame.f_code is not _RECORDER_CODE and all(
-                frame.f_globals is not ns for ns in unlisted
-            ):
-                unlisted.append(frame.f_globals)
-
     known = len(_inductor_modules())
-    try:
-        for namespace in _kernel_namespaces():
-            for name, value in list(namespace.items()):
-                if _is_inductor_kernel(value):
-                    patched.append((namespace, name, value))
-                    namespace[name] = _KernelRecorder(value, cap)
-        sys.setprofile(profile)
-        try:
-            with _RefuseCompute(cap):
-                result = fn()
-        finally:
-            sys.setprofile(None)
-    finally:
-        for namespace, name, value in patched:
-            namespace[name] = value
-    _UNLISTED_NAMESPACES.extend(unlisted)
-    # Something compiled during the capture (its own ops ran, its kernel went unrecorded),
-    # or only unlisted modules' kernels went unrecorded: the next capture at this size
-    # patches them, already compiled.
+    with _RefuseCompute(cap):
+        result = fn()
+    # Something compiled during the capture (its own ops ran, or its code had not run
+    # before): the next capture at this size finds it compiled.
     transient = len(_inductor_modules()) > known
-    if cap.failure is None and seen[0] != cap.kernel_calls:
-        missed = seen[0] - cap.kernel_calls
-        cap.fail(f"{missed} Inductor kernel call(s) came from modules that were not recorded")
-        transient = transient or bool(unlisted)
     if cap.failure is None and not cap.calls:
         cap.fail("nothing was recorded")
     if cap.failure is not None:

@@ -191,7 +191,10 @@ class ModelRunner:
         sizes = sorted(cc.cudagraph_capture_sizes or []) if graphs else []
         # The pieces pad to their capture sizes; decode-only steps to the full graphs'.
         self.capture_sizes = sizes if piecewise_graphs(cc.cudagraph_mode) else []
-        self.full_graph_sizes = sizes if self._full_graphs_possible(attn_backend) else []
+        # A decode-only step has a token a sequence: no full graph beyond max_num_seqs
+        # (its metadata buffers hold max_num_seqs sequences).
+        full = self._full_graphs_possible(attn_backend)
+        self.full_graph_sizes = [s for s in sizes if s <= max_seqs] if full else []
         self.full_graphs: dict[int, FullCudaGraph] = {}
         # CPU graphs: decode-only steps at a size with static code, one process, compiled.
         cpu_graphs = (

@@ -4,6 +4,7 @@ capture must refuse anything it could not replay, naming it."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -188,6 +189,44 @@ def test_capture_refuses_compute_outside_kernels(tmp_path):
     with pytest.raises(cpu_graph.CpuGraphUnsupported, match="mm"):
         cpu_graph.capture(lambda: torch.mm(a, b), tmp_path)
     assert not cpu_graph.is_capturing()
+
+
+def _compile(fn, args, hooked: bool):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compilecore.wrapper_codegen import recorded_kernel_calls
+
+    graph = make_fx(fn)(*args)
+    options = {"config_patches": {"force_disable_caches": True}}
+    with recorded_kernel_calls() if hooked else contextlib.nullcontext():
+        return torch._inductor.standalone_compile(
+            graph, list(args), dynamic_shapes="from_example_inputs", options=options
+        )
+
+
+def test_kernels_of_code_our_backend_compiles_are_recorded_and_replayed(tmp_path):
+    """While our backend compiles, Inductor writes each C++ kernel call through
+    `cpu_graph.kernel_call`: the capture records it (no module global patched, no profile
+    hook). Code compiled outside that (plain `torch.compile`) calls its kernels directly
+    and a capture sees none of them."""
+    from torch._inductor.codegen import common
+
+    def f(x, y):  # two kernels: a reduction, then a pointwise op over it
+        return (torch.relu(x) * y / (x * x).sum(-1, keepdim=True),)
+
+    x, y = torch.randn(8, 64), torch.randn(8, 64)
+    ours, theirs = _compile(f, (x, y), hooked=True), _compile(f, (x, y), hooked=False)
+    assert common.device_codegens["cpu"].wrapper_codegen.__name__ == "PythonWrapperCodegen"
+    (out,), graph = cpu_graph.capture(lambda: ours(x, y), tmp_path)
+    assert graph.num_calls >= 1
+    assert all(what.startswith("Inductor kernel") for what, _, _ in graph.described)
+    x.copy_(torch.randn(8, 64))
+    y.copy_(torch.randn(8, 64))
+    assert torch.equal(graph.replay()[0], out)
+    torch.testing.assert_close(out, f(x, y)[0])
+    assert torch.equal(out, ours(x, y)[0])
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="nothing was recorded"):
+        cpu_graph.capture(lambda: theirs(x, y), tmp_path)
 
 
 # A test op whose declared entry is whatever call a test puts in _DECLARED[index] (or the

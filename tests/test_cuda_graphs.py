@@ -85,6 +85,23 @@ def test_each_cudagraph_mode_equals_eager(tiny_llama, mode):
 
 
 @gpu
+def test_full_graphs_stop_at_max_num_seqs(tiny_llama, tmp_path):
+    """A decode-only step has a token a sequence: capture sizes beyond max_num_seqs get
+    no full graph (their metadata would not fit) and those steps stay piecewise."""
+    llm = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", max_num_seqs=4,
+              kv_cache_memory=256 * 2**20,
+              compilation_config={"cudagraph_capture_sizes": SIZES,
+                                  "cache_dir": str(tmp_path)})  # fmt: skip
+    assert sorted(llm.llm_engine.runner.full_graphs) == [1, 2, 4]
+    eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True,
+                kv_cache_memory=256 * 2**20)  # fmt: skip
+    prompts = [[3 + i, 7, 11 + i] for i in range(6)]  # more than max_num_seqs
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+
+
+@gpu
 def test_padded_size_rounds_up(graphed):
     runner = graphed[0].llm_engine.runner
     assert [runner.padded_size(n) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, 17]
