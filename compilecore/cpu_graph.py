@@ -192,10 +192,12 @@ def _kernel_address(path: str) -> int:
 def kernel_call(kernel: Any, *args: Any) -> Any:
     """How the wrapper code our backend has Inductor write calls each C++ kernel
     (`wrapper_codegen.py`): recorded when this thread is capturing, then called."""
-    capture = getattr(_ACTIVE, "capture", None)
-    if capture is not None and _is_inductor_kernel(kernel):
-        path = kernel.__self__.__file__
-        capture.record(_kernel_address(path), args, f"Inductor kernel {Path(path).stem[:12]}")
+    if _CAPTURES:  # one truth test when nothing captures: every compiled step comes here
+        capture = getattr(_ACTIVE, "capture", None)
+        if capture is not None and _is_inductor_kernel(kernel):
+            path = kernel.__self__.__file__
+            what = f"Inductor kernel {Path(path).stem[:12]}"
+            capture.record(_kernel_address(path), args, what)
     return kernel(*args)
 
 
@@ -245,6 +247,7 @@ class _RefuseCompute(TorchDispatchMode):
 # This thread's capture in progress, if any. Captures on two threads do not meet: each
 # records its own thread's kernel calls, and dispatch modes are per thread.
 _ACTIVE = threading.local()
+_CAPTURES: list[_Capture] = []  # every thread's, for `kernel_call`'s quick test
 
 
 def is_capturing() -> bool:
@@ -257,11 +260,13 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
     CpuGraphUnsupported, naming what could not be recorded."""
     if is_capturing():
         raise RuntimeError("a CPU graph capture is already running")
-    _ACTIVE.capture = _Capture()
+    _ACTIVE.capture = cap = _Capture()
+    _CAPTURES.append(cap)
     try:
-        return _capture(fn, _ACTIVE.capture, cache_root)
+        return _capture(fn, cap, cache_root)
     finally:
         _ACTIVE.capture = None
+        _CAPTURES.remove(cap)
 
 
 def _capture(fn: Callable[[], Any], cap: _Capture, cache_root: Path) -> tuple[Any, CpuGraph]:
