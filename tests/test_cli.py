@@ -1,4 +1,5 @@
-"""The CLI from a subprocess, as a user runs it."""
+"""The CLI as a user runs it: from a subprocess where the process matters (a model
+runs, a server starts), through `main` in this process for arguments and help."""
 
 from __future__ import annotations
 
@@ -80,20 +81,37 @@ def test_chat_keeps_the_conversation(tiny_llama):
     assert len(res.stdout.strip().splitlines()) >= 1
 
 
-def test_bad_arguments_give_a_clear_error(tiny_llama):
-    res = _cli("generate", "--model", str(tiny_llama[0]), "--top-p", "2", "x")
-    assert res.returncode == 2 and "top_p must be in (0, 1]" in res.stderr
-    res = _cli("generate", "--model", "/no/such/folder", "x")
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """`runtime.cli.main` in this process (what `python -m runtime.cli` runs, less the
+    ~5 s a fresh interpreter takes to import torch): exit code, stdout, stderr."""
+    from runtime.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's --help and usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bad_arguments_give_a_clear_error(tiny_llama, capsys):
+    code, _, err = _main(capsys, "generate", "--model", str(tiny_llama[0]), "--top-p", "2", "x")
+    assert code == 2 and "top_p must be in (0, 1]" in err
+    code, _, err = _main(capsys, "generate", "--model", "/no/such/folder", "x")
+    assert code == 2 and "/no/such/folder" in err
+    bad_mode = ("-O", '{"cudagraph_mode": "x"}')
+    code, _, err = _main(capsys, "generate", "--model", str(tiny_llama[0]), *bad_mode, "x")
+    assert code == 2 and "cudagraph_mode must be one of" in err
+    res = _cli("generate", "--model", "/no/such/folder", "x")  # and from a real process
     assert res.returncode == 2 and "/no/such/folder" in res.stderr
-    res = _cli("generate", "--model", str(tiny_llama[0]), "-O", '{"cudagraph_mode": "x"}', "x")
-    assert res.returncode == 2 and "cudagraph_mode must be one of" in res.stderr
 
 
-def test_help_explains_the_commands():
-    res = _cli("--help")
-    assert res.returncode == 0 and "generate" in res.stdout and "chat" in res.stdout
-    res = _cli("generate", "--help")
-    assert "--temperature" in res.stdout and "SmolLM2" in res.stdout
+def test_help_explains_the_commands(capsys):
+    code, out, _ = _main(capsys, "--help")
+    assert code == 0 and "generate" in out and "chat" in out
+    code, out, _ = _main(capsys, "generate", "--help")
+    assert code == 0 and "--temperature" in out and "SmolLM2" in out
 
 
 def test_dump_takes_python_pass_names_and_every_switch():
