@@ -87,6 +87,10 @@ class PassConfig:
             raise ValueError(f"compilation_config.passes has unknown fields: {sorted(unknown)}")
         return cls(**value)
 
+    def int8_x(self, device_type: str) -> bool:
+        """Whether q8 products get `int8_x=True` (the pass's and the quantized LM head's)."""
+        return device_type == "cpu" and self.int8_activations
+
     def resolved(self, device_type: str, kernels_build: bool = True) -> dict[str, bool]:
         """Each switch on or off; `kernels_build`: whether our CPU kernels build here."""
         defaults = dict(DEVICE_DEFAULTS.get(device_type, DEVICE_DEFAULTS["cpu"]))

@@ -84,8 +84,8 @@ def build_passes(
     if switches["quantized_linear"] and context.device_type in ("cpu", "cuda"):
         from passes.quantized_linear import QuantizedLinearPass
 
-        int8_x = context.device_type == "cpu" and (config is None or config.int8_activations)
-        passes.append(QuantizedLinearPass(int8_x=bool(int8_x)))
+        int8_x = (config or PassConfig()).int8_x(context.device_type)
+        passes.append(QuantizedLinearPass(int8_x=int8_x))
     if switches["decompose_dequantize"]:
         from passes.decompose_dequantize import DecomposeDequantizePass
 

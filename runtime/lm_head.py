@@ -50,10 +50,11 @@ def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> Non
     cc = engine_config.compilation_config
     # As the quantized_linear pass gives the model's q8 products (eager stays exact: the
     # reference for compiled).
+    device = engine_config.device.type
     int8 = (
-        engine_config.device.type == "cpu"
-        and cc.mode != "none"
-        and (cc.passes.int8_activations and cc.passes.resolved("cpu")["quantized_linear"])
+        cc.mode != "none"
+        and cc.passes.int8_x(device)
+        and cc.passes.resolved(device)["quantized_linear"]
     )
     for module in model.modules():
         if isinstance(module, LogitsProcessor):
