@@ -636,7 +636,8 @@ def _assert_close_to_reference(got, want):
     bits=st.sampled_from([4, 8]), fmt=st.sampled_from(["plain", "k_quant", "per_channel"]),
     bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     fp32_out=st.booleans(), seed=st.integers(0, 2**16),
-    tile=st.sampled_from([None, (16, 16, 128, 4), (32, 32, 64, 2), (16, 64, 256, 8)]),
+    tile=st.sampled_from([None, (16, 16, 128, 4), (32, 32, 64, 2), (16, 64, 256, 8),
+                         (1, 8, 64, 2, None, 3), (1, 32, 512, 4), (16, 16, 32, 4, None, 2)]),
 )  # fmt: skip
 def test_triton_products_equal_the_reference(rows, n, runs, bits, fmt, bias, dtype, fp32_out,
                                              seed, tile):  # fmt: skip

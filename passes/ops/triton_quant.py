@@ -4,14 +4,20 @@ registers, so a decode step streams the blocks' bytes instead of a dequantized c
 
 Unfused (what Inductor would run from the traced pair): a kernel writes the whole weight
 dequantized, then a GEMM reads it again (on a GPU, 2 bytes a value written and read where
-the blocks hold 0.56-1.06). Fused: one kernel, tiles of [BLOCK_M, BLOCK_N] outputs, K in
-runs of 32 values, `tl.dot` on values rounded as the reference rounds them, fp32 sums.
-Tested on CPU under TRITON_INTERPRET=1. Timed on an H200 (NOTES 52): at its best tile
-0.53-0.74x Inductor's dequantization + cuBLAS, so the pass stays off on CUDA.
+the blocks hold 0.56-1.06). Fused: one kernel, programs of [BLOCK_M, BLOCK_N] outputs, K in
+steps of BLOCK_K (optionally split over SPLIT_K programs whose fp32 partials are summed
+after), each step's weight bytes one contiguous load a row (q4's two nibbles of a byte are
+the step's two halves), a group's scale loaded once and broadcast; fp32 multiply-adds for
+one row, `tl.dot` for more, on values rounded as the reference rounds them, fp32 sums.
+Tested on CPU under TRITON_INTERPRET=1. The first version gathered one byte address a
+value and one scale a value: on an H200 (NOTES 52) at its best tile 0.53-0.74x Inductor's
+dequantization + cuBLAS, so the pass stays off on CUDA until `gpu_check`'s
+`quantized_products` times this one (NOTES 54: not yet run on a device).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import NamedTuple
 
@@ -30,12 +36,18 @@ class Tile(NamedTuple):
     block_k: int = 32
     num_warps: int = 4
     num_stages: int | None = None  # None: Triton's default
+    split_k: int = 1  # programs along K, each summing its share into fp32 partials
 
 
 def default_tile(m: int) -> Tile:
-    # Up to 16 rows: the fastest of seven tiles timed on an H200 (NOTES 52: 3.5x the first
-    # choice, [16, 64] in steps of 32; many programs with long K steps win). Larger: untimed.
-    return Tile(16, 8, 256, 2) if m <= 16 else Tile(32, 64)
+    # Untimed on a device (NOTES 54): `gpu_check`'s `quantized_products` sweep decides.
+    if m == 1:
+        return Tile(1, 16, 512, 4)
+    return Tile(16, 16, 256, 4) if m <= 16 else Tile(32, 64, 64)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -57,7 +69,7 @@ def quant_linear_triton(
 ) -> torch.Tensor:
     """y [M, N] = x @ dequantize(w, *fields)^T (+ bias): q4 when `fields` is (scales,
     mins), q8 when it is (scales,). `tile`: the launch's shape (`default_tile(M)`)."""
-    from passes.ops.triton_quant_kernels import quant_linear_kernel
+    from passes.ops.triton_quant_kernels import quant_stream_kernel
 
     bits = 4 if len(fields) == 2 else 8
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -75,20 +87,28 @@ def quant_linear_triton(
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     dot = torch.float32 if value == torch.float32 or interpreted else value
     tile = tile or default_tile(m)
-    if tile.block_k % 32:
-        raise ValueError(f"block_k must be a multiple of 32 (the formats' runs), got {tile}")
-    grid = (-(-m // tile.block_m), -(-n // tile.block_n))
-    extra = {} if tile.num_stages is None else {"num_stages": tile.num_stages}
+    if tile.block_k % 32 or tile.block_k & (tile.block_k - 1):
+        raise ValueError(f"block_k must be a power of 2 from 32 (the formats' runs), got {tile}")
     scales, mins = fields[0], fields[-1]
-    quant_linear_kernel[grid](
-        x, w.contiguous(), scales, mins, bias if bias is not None else y, y,
-        m, n, k, groups_of(scales), x.stride(0), y.stride(0),
+    groups = groups_of(scales)
+    per_group = (k // groups) // (2 if bits == 4 else 1)  # a group's share of a half step
+    run = tile.block_k // 2 if groups == 1 else math.gcd(per_group, tile.block_k // 2)
+    k_chunk = _cdiv(_cdiv(k, tile.split_k), tile.block_k) * tile.block_k
+    split = _cdiv(k, k_chunk)
+    grid = (_cdiv(m, tile.block_m), _cdiv(n, tile.block_n), split)
+    part = y if split == 1 else x.new_empty(split, m, n, dtype=torch.float32)
+    extra = {} if tile.num_stages is None else {"num_stages": tile.num_stages}
+    quant_stream_kernel[grid](
+        x, w.contiguous(), scales, mins, bias if bias is not None else y, part,
+        m, n, k, groups, k // groups, x.stride(0), y.stride(0), k_chunk,
         BITS=bits,
         PER_SUPER=GROUPS_PER_SUPER.get(scales.dtype, 0),  # compact fields: Q4_K's, Q6_K's
         HAS_BIAS=bias is not None,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k,
+        RUN=run,
+        SPLIT_K=split,
         VALUE_DTYPE=_tl_dtype(value),
         DOT_DTYPE=_tl_dtype(dot),
         # fp32 models want fp32 answers: TF32 would cost three decimal digits.
@@ -96,4 +116,7 @@ def quant_linear_triton(
         num_warps=tile.num_warps,
         **extra,
     )  # fmt: skip
+    if split > 1:
+        total = part.sum(0)
+        y.copy_(total if bias is None else total + bias.float())
     return y
