@@ -37,6 +37,17 @@ inline Share share(int64_t n) {
   return {n * t / T, n * (t + 1) / T};
 }
 
+// The smallest run of weight rows, as a count of rows, that `schedule(guided, ...)` hands a
+// thread: 16 KB, so each run is a stream the prefetcher follows. Why guided and not a
+// static half each: which of two threads finishes a product first changes from call to
+// call (the memory serves them unevenly), and the other waited at the barrier after it;
+// guided hands out half, then a quarter, ... and the first thread done takes what is
+// left, a handful of shared counter updates a product (NOTES 54: 1.12-1.15x on a Q8_0
+// batch-1 step; rows claimed in fixed chunks of 24-96 KB had lost, NOTES 34).
+inline int64_t guided_rows(int64_t row_bytes) {
+  return 16384 / row_bytes > 1 ? 16384 / row_bytes : 1;
+}
+
 // A thread's fp32 scratch of at least n floats (grows, never shrinks; one per thread).
 inline float* scratch(int64_t n) {
   thread_local float* buf = nullptr;

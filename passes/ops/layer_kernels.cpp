@@ -242,16 +242,18 @@ int64_t layer_kernels_unrolled(int64_t K) {
 }
 
 // y [1, N] = bf16(x [1, K] . w[n] (+ bias[n])), w [N, K] row-major, bias null or [N];
-// each thread one sequential run of rows (one weight stream a thread: NOTES section 39).
+// each thread a few sequential runs of rows (one weight stream at a time: NOTES section
+// 39), handed out by the guided schedule (`guided_rows`).
 void linear_team_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t N,
                       int64_t K) {
   float* xf = scratch(K + 64);
   float* row = xf + K;
   to_f32_row(x, xf, K);
-  const Share s = share(N);
-  for (int64_t r0 = s.begin; r0 < s.end; r0 += 64) {
-    const int64_t r1 = r0 + 64 < s.end ? r0 + 64 : s.end;
-    product_rows(xf, w, K, r0, r1, w + s.end * K, row, false);
+  const int64_t blocks = (N + 63) / 64, per = guided_rows(2 * K) / 64;
+#pragma omp for schedule(guided, per > 1 ? per : 1) nowait
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r0 = b * 64, r1 = r0 + 64 < N ? r0 + 64 : N;
+    product_rows(xf, w, K, r0, r1, w + N * K, row, false);
     for (int64_t r = r0; r < r1; ++r)  // the bias added in fp32, one rounding (as addmm)
       y[r] = to_bf16(bias ? row[r - r0] + to_f32(bias[r]) : row[r - r0]);
   }

@@ -754,13 +754,13 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       for (int64_t m = 0; m < M; ++m)
         quantize_row_u8(static_cast<const bf16*>(x) + m * K, K, xq + m * K, sx + m * (K / 32));
       tiled = N / TILE_N * TILE_N;
-      const auto [sb, se] = share(N / TILE_N);
       const uintptr_t at = reinterpret_cast<uintptr_t>(extra + M * per_row);
       Strip8 st;
       st.wq = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
       st.minus = st.wq + K / 4;
       st.ds = reinterpret_cast<float*>(st.minus + K / 32);
-      for (int64_t strip = sb; strip < se; ++strip) {
+#pragma omp for schedule(guided) nowait
+      for (int64_t strip = 0; strip < N / TILE_N; ++strip) {
         const int64_t n0 = strip * TILE_N;
         pack_strip_int8(static_cast<const int8_t*>(w) + n0 * K,
                         scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), K,
@@ -778,13 +778,13 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #if CC_BF16_PATH
   if (strips && !int8_strips) {
     tiled = N / TILE_N * TILE_N;
-    const auto [sb, se] = share(N / TILE_N);
     const uintptr_t at = reinterpret_cast<uintptr_t>(extra + M * per_row);
     Strip st;
     st.wp = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
     st.ds = reinterpret_cast<float*>(st.wp + K / 2);
     st.ms = st.ds + strip_groups * TILE_N;
-    for (int64_t strip = sb; strip < se; ++strip) {  // (chunks of x kept in L2: no faster)
+#pragma omp for schedule(guided) nowait
+    for (int64_t strip = 0; strip < N / TILE_N; ++strip) {  // (x's chunks in L2: no faster)
       const int64_t n0 = strip * TILE_N;
       const S* ms = Q4 ? scale_rows<Q4, Compact>(mins, groups, n0, TILE_N, min_buf) : nullptr;
       pack_strip<Q4>(static_cast<const char*>(w) + n0 * row_bytes,
@@ -802,9 +802,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     }
   }
 #endif
-  const auto [tb, te] = share(N - tiled);
-  const int64_t begin = tiled + tb, end = tiled + te;
-  for (int64_t n = begin; n < end; ++n) {
+  // Rows handed out by OpenMP's guided schedule (`guided_rows`): each thread streams a
+  // few runs of rows, the first ones half and a quarter of the product.
+#pragma omp for schedule(guided, guided_rows(row_bytes)) nowait
+  for (int64_t n = tiled; n < N; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
     const S* s = scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf);
     const S* mn = Q4 ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf) : nullptr;
