@@ -5,6 +5,7 @@ at load against HF transformers on the same dequantized weights."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -229,6 +230,32 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt):
         assert exact and not bool(((got - want).abs() <= bound)[:, :32].all())
         bound = bound + quantization
     assert bool(((got - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q6_k", "q4", "q4_k"])
+@pytest.mark.parametrize("rows", [1, 21])
+def test_products_are_the_same_whichever_thread_takes_a_row(fmt, rows):
+    """The products hand out their rows (and strips) by OpenMP's guided schedule, so which
+    thread computes a row changes from call to call and with the team's size: one thread,
+    three (odd shares of 1000 rows) and repeated calls give the same bits."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 1000, 256
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    if fmt.startswith("q4"):
+        fields = _q4_fields(g, n, k, 32, fmt == "q4_k")
+        product = functools.partial(ops.q4_linear, x, *fields, None, torch.float32)
+    else:
+        fields = _q8_fields(g, n, k, 16 if fmt == "q6_k" else 32, fmt == "q6_k")
+        product = functools.partial(ops.q8_linear, x, *fields, None, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = product()
+        torch.set_num_threads(3)
+        outputs = [product() for _ in range(4)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(got, want) for got in outputs)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), 1e-35])
