@@ -42,8 +42,8 @@ inline Share share(int64_t n) {
 // static half each: which of two threads finishes a product first changes from call to
 // call (the memory serves them unevenly), and the other waited at the barrier after it;
 // guided hands out half, then a quarter, ... and the first thread done takes what is
-// left, a handful of shared counter updates a product (NOTES 54: 1.06-1.10x on a Q8_0
-// batch-1 step, same process; rows claimed in fixed chunks had lost, NOTES 34).
+// left, a handful of shared counter updates a product (NOTES 54: a Q8_0 batch-1 step
+// 1.06-1.10x in a slow hour, 1.00x in a fast one; fixed chunks had lost, NOTES 34).
 inline int64_t guided_rows(int64_t row_bytes) {
   return 16384 / row_bytes > 1 ? 16384 / row_bytes : 1;
 }
