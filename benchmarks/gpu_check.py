@@ -414,12 +414,15 @@ def step_quantized_products(check: Check) -> dict:
                     if err > 2e-2 * max(1.0, want.abs().max().item()):
                         raise StepFailed(f"{name} {n}x{k} {rows} rows {spec}: off by {err}", result)
                     case[label] = _graph_us(fn)
-                timed = [(v, t) for t, v in case.items() if isinstance(v, float)]
-                best = min((v, t) for v, t in timed if t != "inductor_us")
-                case.update(best=best[1], best_GB_s=nbytes / best[0] / 1e3,
-                            default_vs_inductor=case["inductor_us"] / case["default"],
-                            best_vs_inductor=case["inductor_us"] / best[0])  # fmt: skip
                 result[f"{name}_{n}x{k}_{rows}"] = case
+                timed = [(v, t) for t, v in case.items() if isinstance(v, float)]
+                best = min(((v, t) for v, t in timed if t != "inductor_us"), default=None)
+                default = case["default"]
+                if best is None or not isinstance(default, float):
+                    raise StepFailed(f"{name} {n}x{k} {rows} rows: default tile: {default}", result)
+                case.update(best=best[1], best_GB_s=nbytes / best[0] / 1e3,
+                            best_vs_inductor=case["inductor_us"] / best[0])  # fmt: skip
+                case["default_vs_inductor"] = case["inductor_us"] / default
     return result
 
 
