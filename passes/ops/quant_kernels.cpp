@@ -326,9 +326,59 @@ inline void reorder_pairs(const bf16* x, int64_t K, bf16* xp) {
   }
 }
 
+// A row of compact fields (`CompactScales`) read in place by the bf16 row products, where
+// it stands for the row's decoded fp32 values: `p + i` and `scales16` as for a pointer,
+// the values decoded in registers with the same multiply. Decoding each row into a
+// buffer first: Q4_K's products 1.04-1.11x slower (same-process A/B, NOTES 54).
+template <bool Q4>
+struct CompactPtr {
+  const uint8_t* sub;    // the row's sub-block bytes
+  const uint8_t* super;  // then its fp32 super-block scales
+  int64_t at;            // the group this points at
+  CompactPtr operator+(int64_t i) const { return {sub, super, at + i}; }
+  float operator[](int64_t i) const {
+    float d;
+    std::memcpy(&d, super + (at + i) / CompactScales<Q4>::PER_SUPER * 4, sizeof d);
+    return d * (Q4 ? float(sub[at + i]) : float(int8_t(sub[at + i])));
+  }
+};
+
+// 16 groups from a multiple of 16 (the callers' steps): two super-blocks of Q4_K's, one of
+// Q6_K's.
+template <bool Q4>
+inline __m512 scales16(CompactPtr<Q4> p, __mmask16 live) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(live, p.sub + p.at);
+  const __m512 sub =
+      _mm512_cvtepi32_ps(Q4 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes));
+  const float* d = reinterpret_cast<const float*>(p.super) + p.at / CompactScales<Q4>::PER_SUPER;
+  if constexpr (Q4) {
+    const __m512 two = _mm512_maskz_loadu_ps(live >> 8 ? 0x3 : 0x1, d);
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_mul_ps(sub, _mm512_permutexvar_ps(pick, two));
+  } else {
+    float d0;
+    std::memcpy(&d0, d, sizeof d0);
+    return _mm512_mul_ps(sub, _mm512_set1_ps(d0));
+  }
+}
+
+// What the bf16 row products read a row's fields through: compact rows in place, other
+// fields as their decoded pointer.
+template <bool Q4, bool Compact, typename S>
+inline auto fields_at(const S* base, int64_t groups, int64_t n, const S* decoded) {
+  if constexpr (Compact) {
+    if (!base) return CompactPtr<Q4>{nullptr, nullptr, 0};
+    const int64_t stride = groups + groups / CompactScales<Q4>::PER_SUPER * 4;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(base) + n * stride;
+    return CompactPtr<Q4>{row, row + groups, 0};
+  } else {
+    return decoded;
+  }
+}
+
 // 16 runs' scales from their groups' (2^shift runs a group; 16 runs start on a group).
-template <typename S>
-inline __m512 run_scales(const S* s, int64_t r0, int64_t n, int shift) {
+template <typename SP>
+inline __m512 run_scales(SP s, int64_t r0, int64_t n, int shift) {
   const int64_t groups = (n + (1 << shift) - 1) >> shift;
   const __m512 g = scales16(s + (r0 >> shift), __mmask16((1u << groups) - 1));
   if (shift == 0) return g;
@@ -336,9 +386,9 @@ inline __m512 run_scales(const S* s, int64_t r0, int64_t n, int shift) {
   return _mm512_permutexvar_ps(_mm512_srli_epi32(iota, shift), g);
 }
 
-template <int MB, typename S>
-inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w,
-                                const S* s, const S* mn, int shift, float* out) {
+template <int MB, typename SP>
+inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w, SP s, SP mn,
+                                int shift, float* out) {
   __m512 acc[MB_MAX], mins[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
   const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
@@ -389,8 +439,8 @@ inline __m512bh q8_run_bf16(const int8_t* w) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-template <int MB, int G, typename S>
-inline void row_product_q8_bf16(const bf16* const* xs, int64_t K, const int8_t* w, const S* s,
+template <int MB, int G, typename SP>
+inline void row_product_q8_bf16(const bf16* const* xs, int64_t K, const int8_t* w, SP s,
                                 float* out) {
   __m512 acc[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -433,9 +483,9 @@ inline void row_product_q8_bf16(const bf16* const* xs, int64_t K, const int8_t* 
 }
 
 // The explicit dispatch on mb (a generic lambda cost 10-15%: NOTES 46), once per G.
-template <int G, typename S>
-inline void q8_bf16_rows(int64_t mb, const bf16* const* xs, int64_t K, const int8_t* w,
-                         const S* s, float* out) {
+template <int G, typename SP>
+inline void q8_bf16_rows(int64_t mb, const bf16* const* xs, int64_t K, const int8_t* w, SP s,
+                         float* out) {
   if (mb == 4) row_product_q8_bf16<4, G>(xs, K, w, s, out);
   else if (mb == 3) row_product_q8_bf16<3, G>(xs, K, w, s, out);
   else if (mb == 2) row_product_q8_bf16<2, G>(xs, K, w, s, out);
@@ -804,11 +854,18 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #endif
   // Rows handed out by OpenMP's guided schedule (`guided_rows`): each thread streams a
   // few runs of rows, the first ones half and a quarter of the product.
+  // Compact fields on the bf16 path are read in place (`CompactPtr`), elsewhere decoded.
+  const bool in_place = Compact && CC_BF16_PATH && path == Path::bf16;
 #pragma omp for schedule(guided, guided_rows(row_bytes)) nowait
   for (int64_t n = tiled; n < N; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
-    const S* s = scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf);
-    const S* mn = Q4 ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf) : nullptr;
+    const S* s = in_place ? nullptr : scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf);
+    const S* mn = Q4 && !in_place ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf)
+                                  : nullptr;
+#if CC_BF16_PATH
+    const auto sp = fields_at<Q4, Compact>(scales, groups, n, s);
+    const auto mp = fields_at<Q4, Compact>(Q4 ? mins : nullptr, groups, n, mn);
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
@@ -819,9 +876,9 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           const bf16* xs[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) xs[m] = static_cast<const bf16*>(x) + (m0 + m) * K;
           const int8_t* wq = reinterpret_cast<const int8_t*>(wrow);
-          if (g == 16) q8_bf16_rows<16>(mb, xs, K, wq, s, out);
-          else if (g == 32) q8_bf16_rows<32>(mb, xs, K, wq, s, out);
-          else q8_bf16_rows<0>(mb, xs, K, wq, s, out);  // g = K
+          if (g == 16) q8_bf16_rows<16>(mb, xs, K, wq, sp, out);
+          else if (g == 32) q8_bf16_rows<32>(mb, xs, K, wq, sp, out);
+          else q8_bf16_rows<0>(mb, xs, K, wq, sp, out);  // g = K
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
@@ -831,10 +888,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Bf16Row rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          if (mb == 4) row_product_q4_bf16<4>(rm, K, wq, s, mn, shift, out);
-          else if (mb == 3) row_product_q4_bf16<3>(rm, K, wq, s, mn, shift, out);
-          else if (mb == 2) row_product_q4_bf16<2>(rm, K, wq, s, mn, shift, out);
-          else row_product_q4_bf16<1>(rm, K, wq, s, mn, shift, out);
+          if (mb == 4) row_product_q4_bf16<4>(rm, K, wq, sp, mp, shift, out);
+          else if (mb == 3) row_product_q4_bf16<3>(rm, K, wq, sp, mp, shift, out);
+          else if (mb == 2) row_product_q4_bf16<2>(rm, K, wq, sp, mp, shift, out);
+          else row_product_q4_bf16<1>(rm, K, wq, sp, mp, shift, out);
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
