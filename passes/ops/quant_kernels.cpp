@@ -52,37 +52,66 @@ inline __m512 scales16(const float* s, __mmask16 live) { return _mm512_maskz_loa
 // Scales (or mins) as the K-quants store them (compact): per row `groups` sub-block
 // scales as bytes, then one fp32 super-block scale per super-block. Q4_K (q4): 6-bit
 // unsigned bytes, 8 groups of 32 a super-block; Q6_K (q8): int8 bytes, 16 groups of 16.
-// Rows [n, n + count) decoded into buf as fp32 [count, groups]: super x sub is exact in
-// fp32, the values fp32 fields would hold, at ~0.09 (Q4_K, scales and mins) or ~0.08
-// (Q6_K) bytes a value where fp32 fields take 0.25.
+// super x sub is exact in fp32, the values fp32 fields would hold, at ~0.09 (Q4_K, scales
+// and mins) or ~0.08 (Q6_K) bytes a value where fp32 fields take 0.25.
+// `CompactPtr` points into one row and stands for its decoded values where a pointer to
+// them would (`p + i`, `p[i]`, `scales16`): the bf16 row products read rows in place
+// (decoding each row into a buffer first made Q4_K's products 1.04-1.11x slower, NOTES
+// 54); `CompactScales` decodes rows into a buffer for the other paths and the strips.
+template <bool Q4>
+struct CompactPtr {
+  static constexpr int64_t PER_SUPER = Q4 ? 8 : 16;  // groups a super-block
+  const uint8_t* sub;    // the row's sub-block bytes
+  const uint8_t* super;  // then its fp32 super-block scales
+  int64_t at;            // the group this points at
+  CompactPtr operator+(int64_t i) const { return {sub, super, at + i}; }
+  float operator[](int64_t i) const {
+    float d;
+    std::memcpy(&d, super + (at + i) / PER_SUPER * 4, sizeof d);
+    return d * (Q4 ? float(sub[at + i]) : float(int8_t(sub[at + i])));
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define CC_COMPACT16 1
+// 16 groups from a multiple of 16 (every caller's step): two super-blocks of Q4_K's, one
+// of Q6_K's.
+template <bool Q4>
+inline __m512 scales16(CompactPtr<Q4> p, __mmask16 live) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(live, p.sub + p.at);
+  const __m512 sub =
+      _mm512_cvtepi32_ps(Q4 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes));
+  const float* d = reinterpret_cast<const float*>(p.super) + p.at / CompactPtr<Q4>::PER_SUPER;
+  if constexpr (Q4) {
+    const __m512 two = _mm512_maskz_loadu_ps(live >> 8 ? 0x3 : 0x1, d);
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_mul_ps(sub, _mm512_permutexvar_ps(pick, two));
+  } else {
+    float d0;
+    std::memcpy(&d0, d, sizeof d0);
+    return _mm512_mul_ps(sub, _mm512_set1_ps(d0));
+  }
+}
+#else
+#define CC_COMPACT16 0
+#endif
+
+// Rows [n, n + count) decoded into buf as fp32 [count, groups].
 template <bool Q4>
 struct CompactScales {
-  static constexpr int64_t PER_SUPER = Q4 ? 8 : 16;  // groups a super-block
   const uint8_t* base;
   int64_t groups;
   const float* rows(int64_t n, int64_t count, float* buf) const {
-    const int64_t stride = groups + groups / PER_SUPER * 4;  // bytes a row
+    const int64_t stride = groups + groups / CompactPtr<Q4>::PER_SUPER * 4;  // bytes a row
     for (int64_t r = 0; r < count; ++r) {
       const uint8_t* row = base + (n + r) * stride;
+      const CompactPtr<Q4> p{row, row + groups, 0};
       float* out = buf + r * groups;
       int64_t gi = 0;
-#if defined(__AVX512F__)
-      for (; gi + 16 <= groups; gi += 16) {  // Q4_K: two super-blocks' scales, 8 lanes each
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + gi));
-        const __m512i sub = Q4 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
-        float d[2];
-        std::memcpy(d, row + groups + gi / PER_SUPER * 4, (Q4 ? 2 : 1) * sizeof(float));
-        const __m512 super = Q4 ? _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d[0]),
-                                                       _mm512_set1_ps(d[1]))
-                                : _mm512_set1_ps(d[0]);
-        _mm512_storeu_ps(out + gi, _mm512_mul_ps(_mm512_cvtepi32_ps(sub), super));
-      }
+#if CC_COMPACT16
+      for (; gi + 16 <= groups; gi += 16) _mm512_storeu_ps(out + gi, scales16(p + gi, 0xffff));
 #endif
-      for (; gi < groups; ++gi) {
-        float d;
-        std::memcpy(&d, row + groups + gi / PER_SUPER * 4, sizeof d);
-        out[gi] = d * (Q4 ? float(row[gi]) : float(int8_t(row[gi])));
-      }
+      for (; gi < groups; ++gi) out[gi] = p[gi];
     }
     return buf;
   }
@@ -326,49 +355,13 @@ inline void reorder_pairs(const bf16* x, int64_t K, bf16* xp) {
   }
 }
 
-// A row of compact fields (`CompactScales`) read in place by the bf16 row products, where
-// it stands for the row's decoded fp32 values: `p + i` and `scales16` as for a pointer,
-// the values decoded in registers with the same multiply. Decoding each row into a
-// buffer first: Q4_K's products 1.04-1.11x slower (same-process A/B, NOTES 54).
-template <bool Q4>
-struct CompactPtr {
-  const uint8_t* sub;    // the row's sub-block bytes
-  const uint8_t* super;  // then its fp32 super-block scales
-  int64_t at;            // the group this points at
-  CompactPtr operator+(int64_t i) const { return {sub, super, at + i}; }
-  float operator[](int64_t i) const {
-    float d;
-    std::memcpy(&d, super + (at + i) / CompactScales<Q4>::PER_SUPER * 4, sizeof d);
-    return d * (Q4 ? float(sub[at + i]) : float(int8_t(sub[at + i])));
-  }
-};
-
-// 16 groups from a multiple of 16 (the callers' steps): two super-blocks of Q4_K's, one of
-// Q6_K's.
-template <bool Q4>
-inline __m512 scales16(CompactPtr<Q4> p, __mmask16 live) {
-  const __m128i bytes = _mm_maskz_loadu_epi8(live, p.sub + p.at);
-  const __m512 sub =
-      _mm512_cvtepi32_ps(Q4 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes));
-  const float* d = reinterpret_cast<const float*>(p.super) + p.at / CompactScales<Q4>::PER_SUPER;
-  if constexpr (Q4) {
-    const __m512 two = _mm512_maskz_loadu_ps(live >> 8 ? 0x3 : 0x1, d);
-    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    return _mm512_mul_ps(sub, _mm512_permutexvar_ps(pick, two));
-  } else {
-    float d0;
-    std::memcpy(&d0, d, sizeof d0);
-    return _mm512_mul_ps(sub, _mm512_set1_ps(d0));
-  }
-}
-
 // What the bf16 row products read a row's fields through: compact rows in place, other
 // fields as their decoded pointer.
 template <bool Q4, bool Compact, typename S>
 inline auto fields_at(const S* base, int64_t groups, int64_t n, const S* decoded) {
   if constexpr (Compact) {
     if (!base) return CompactPtr<Q4>{nullptr, nullptr, 0};
-    const int64_t stride = groups + groups / CompactScales<Q4>::PER_SUPER * 4;
+    const int64_t stride = groups + groups / CompactPtr<Q4>::PER_SUPER * 4;
     const uint8_t* row = reinterpret_cast<const uint8_t*>(base) + n * stride;
     return CompactPtr<Q4>{row, row + groups, 0};
   } else {
