@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import gc
 import inspect
 import itertools
 import os
+import traceback
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -111,9 +113,10 @@ class LLM:
             executor = MultiprocExecutor(self.engine_config, external=backend == "external")
         try:
             self.llm_engine = LLMEngine(self.engine_config, self.tokenizer, executor)
-        except BaseException:
+        except BaseException as error:
             if executor is not None:
                 executor.shutdown(force=True)
+            _release_failed_start(error)
             raise
         self._finalizer = weakref.finalize(self, self.llm_engine.executor.shutdown)
         self._counter = itertools.count()
@@ -517,6 +520,25 @@ _VLLM_ENGINE_ARGS = frozenset({
     "served_model_name",
 })
 # fmt: on
+
+
+def _release_failed_start(error: BaseException) -> None:
+    """Lets go of what a failed start built (weights, KV cache, compiled code): the frames
+    that the error's traceback keeps, and its causes', lose their locals (the traceback's
+    lines stay; running frames are left whole), so that a caller keeping the error (a
+    notebook's last traceback, a retry loop) does not keep the engine; the device's cache
+    goes back for the retry."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        exc = pending.pop()
+        if exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            traceback.clear_frames(exc.__traceback__)
+            pending += [exc.__cause__, exc.__context__]
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _check_engine_arg_names(engine_args: dict[str, Any]) -> None:

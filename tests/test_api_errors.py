@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
+from torch import fx
 
+from models.llama import LlamaForCausalLM
 from models.loader import ModelLoadError
+from passes import GraphPass
 from runtime import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -94,3 +98,27 @@ def test_bad_engine_arguments(tiny_llama, kwargs, match):
 def test_chat_applies_template(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
     assert out.prompt.startswith("<s>user: hi") and out.prompt.endswith("<s>assistant:")
+
+
+class _FailingPass(GraphPass):
+    """A user pass that fails while the engine compiles: after the weights are loaded."""
+
+    name = "fails_at_compile"
+
+    def __call__(self, graph: fx.Graph) -> int:
+        raise RuntimeError("this pass always fails")
+
+
+def _live_models() -> int:
+    gc.collect()
+    return sum(type(o) is LlamaForCausalLM for o in gc.get_objects())
+
+
+def test_a_failed_start_keeps_nothing_alive_through_its_error(tiny_llama):
+    """A caller that keeps the error (a notebook's last traceback, a retry loop) must not
+    keep the failed engine's weights, KV cache and compiled code with it."""
+    before = _live_models()
+    with pytest.raises(Exception, match="this pass always fails") as info:
+        LLM(str(tiny_llama[0]), compilation_config={"custom_passes": [_FailingPass()]})
+    assert info.value.__traceback__ is not None  # the error and its traceback are kept
+    assert _live_models() == before
