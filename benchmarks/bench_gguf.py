@@ -57,7 +57,9 @@ def git_sha() -> str:
         root = Path(__file__).parent.parent
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, check=True)  # fmt: skip
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"],
+        # results files written by earlier sittings do not change the code measured
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", ".",
+                                ":(exclude)benchmarks/results"],
                                capture_output=True, text=True).stdout.strip()  # fmt: skip
         return out.stdout.strip() + ("+changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
