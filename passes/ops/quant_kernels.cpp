@@ -358,7 +358,7 @@ inline void reorder_pairs(const bf16* x, int64_t K, bf16* xp) {
 }
 
 // x reordered for `row_product_q4_bf16`: each chunk of 4 runs (128 values) in the order
-// `q4_chunk` widens the chunk's 64 bytes, parts A, B, C, D of 32 values: the low nibbles
+// that loop widens the chunk's 64 bytes, parts A, B, C, D of 32 values: the low nibbles
 // of even bytes, of odd bytes, then the high nibbles of even and of odd bytes (byte j of a
 // run holds value j low, j + 16 high); a last pair of runs (K % 128 == 64) as pairs.
 inline void reorder_chunks(const bf16* x, int64_t K, bf16* xp) {
@@ -750,8 +750,9 @@ inline void strip_rows_int8_mb(int64_t mb, const uint8_t* xq, const float* sx, i
 
 // y[m, n] = out[m] (+ bias[n]), the bias added in fp32 with one rounding (as addmm).
 // Inlined: left a call, the 135M's short Q8_0 rows (K = 576) ran 0.95x (NOTES 55).
-__attribute__((always_inline)) inline void store(void* y, int64_t flags, const void* bias, int64_t N, int64_t n, int64_t m0,
-                  int64_t mb, const float* out) {
+__attribute__((always_inline)) inline void store(void* y, int64_t flags, const void* bias,
+                                                  int64_t N, int64_t n, int64_t m0, int64_t mb,
+                                                  const float* out) {
   float b = 0.f;
   if (bias) b = flags & 1 ? to_f32(static_cast<const bf16*>(bias)[n])
                           : static_cast<const float*>(bias)[n];
