@@ -58,9 +58,9 @@ class PassConfig:
     # C loop on the blocks on CPU; on CUDA a Triton kernel, off there by default: an H200
     # ran it at 0.53-0.74x Inductor's dequantization + cuBLAS (NOTES 52).
     quantized_linear: bool | None = None
-    # Q8_0's products over many rows (6 and more: a prefill, batched decode) quantize the
-    # activations to int8 per run of 32, as llama.cpp does for its own: 1.5x the exact
-    # bf16 products on AVX512-VNNI (NOTES 52). False: every product exact. CPU only.
+    # Q8_0's products quantize the activations to int8 per run of 32, as llama.cpp does for
+    # its own: 1.5x the exact bf16 products over 6 rows and more (NOTES 52), 1.03-1.22x at
+    # batch 1 (NOTES 55), on AVX512-VNNI. False: every product exact. CPU only.
     int8_activations: bool = True
     # Dequantization ops left as the reference's plain ops, for Inductor to fuse.
     decompose_dequantize: bool | None = None

@@ -22,7 +22,7 @@ too. One site per linear layer: 4 per Llama layer. Runs before every pass that t
 plain products (native_linear, gemv_to_reduction, packed_linear), which would otherwise
 take the dequantized weight for an ordinary one; with it off (`native_kernels=False`),
 `decompose_dequantize` hands the pair to Inductor. With `int8_activations` (CPU default)
-the q8 products take `int8_x=True`: Q8_0's many-row products quantize x as llama.cpp does.
+the q8 products take `int8_x=True`: Q8_0's products quantize x as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ def _on_device(match, dtype: torch.dtype) -> bool:
 
 
 class QuantizedLinearPass(PatternPass):
-    """`int8_x`: the q8 products may quantize activations where many rows make them
-    compute-bound (`compilecore.q8_linear`'s argument; PassConfig.int8_activations)."""
+    """`int8_x`: the q8 products may quantize activations as llama.cpp does, where the
+    exact products are compute-bound (`compilecore.q8_linear`'s argument;
+    PassConfig.int8_activations)."""
 
     name = "quantized_linear"
     depends_on = ("passes.ops.quantized",)
