@@ -59,8 +59,9 @@ class PassConfig:
     # ran it at 0.53-0.74x Inductor's dequantization + cuBLAS (NOTES 52).
     quantized_linear: bool | None = None
     # Q8_0's products quantize the activations to int8 per run of 32, as llama.cpp does for
-    # its own: 1.5x the exact bf16 products over 6 rows and more (NOTES 52), 1.03-1.22x at
-    # batch 1 (NOTES 55), on AVX512-VNNI. False: every product exact. CPU only.
+    # its own: 1.5x the exact bf16 products over 6 rows and more (NOTES 52), 1.01-1.22x at
+    # 1-2 rows (NOTES 55; 3-5 stay exact), on AVX512-VNNI. False: every product exact.
+    # CPU only.
     int8_activations: bool = True
     # Dequantization ops left as the reference's plain ops, for Inductor to fuse.
     decompose_dequantize: bool | None = None

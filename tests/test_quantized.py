@@ -162,7 +162,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     multiplies the integers themselves and has none. q8 groups: Q8_0's 32, Q6_K's 16 and
     int8's whole row; q4 groups of 32 and of 128 (int4_g128). `int8_x` (q8's argument):
     Q8_0's strips (6 rows and more, 16 weight rows) quantize activations the same way on
-    CPUs with both AVX512-BF16 and AVX512-VNNI, and so do its row products (fewer rows),
+    CPUs with both AVX512-BF16 and AVX512-VNNI, and so do its row products for 1-2 rows,
     under the same bound."""
     g = torch.Generator().manual_seed(seed)
     whole = 256 * max(1, runs // 4)  # the K-quants' super-blocks
@@ -186,7 +186,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     sums = xd.abs() @ w.abs().T  # what fp32 sums can lose, relative
     bound = sums * 1e-5 + 1e-6
     path = quantized.kernel_path()
-    int8_x = int8_x and fmt == "q8" and quantized.int8_strips()  # strips and rows alike
+    int8_x = int8_x and fmt == "q8" and quantized.int8_strips()  # (an upper bound for 3-5)
     if (path == "int8" and fmt in ("q4", "q4_k", "q8")) or int8_x:  # else fp32 or bf16
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
         run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
@@ -201,15 +201,15 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
 
 
 @pytest.mark.parametrize("fmt", ["q8", "q8_int8_x", "q6_k", "int8", "q4", "q4_k", "q4_g128"])
-@pytest.mark.parametrize("rows", [21, 1])
+@pytest.mark.parametrize("rows", [21, 4, 1])
 def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     """Enough rows for the strips of 16 weight rows (40 = two strips and 8 rows left to
     the row product) with a bias and bf16 outputs: each output within fp32 sums of the
     reference plus its own bf16 rounding, bias added once, q4's mins through the sums of
     x. `q8_int8_x`: Q8_0's strips on int8 activations (where the CPU has them: the strip
     rows differ from the exact product, within the quantization's bound; the tail rows
-    are exact). One row of x: the row products alone (q8's loops of their own), exact but
-    for `q8_int8_x`'s, which quantize x the same way."""
+    are exact). Fewer rows: the row products alone (one row: q8's loops of their own),
+    exact but for `q8_int8_x`'s at 1-2 rows, which quantize x the same way."""
     g = torch.Generator().manual_seed(len(fmt))
     n, k = 40, 256
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -225,7 +225,7 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
         values = quantized.dequantize_q8_ref(*fields, torch.float64)
     want = x.double() @ values.T + bias.double()
     bound = (x.double().abs() @ values.abs().T) * 1e-5 + want.abs() * 2**-8 + 1e-6
-    if fmt == "q8_int8_x" and quantized.int8_strips():
+    if fmt == "q8_int8_x" and quantized.int8_strips() and rows not in (3, 4, 5):
         approximated = slice(0, 32) if rows >= 6 else slice(0, n)  # strips, or every row
         exact = bool(((got - want).abs() <= bound).all(0)[approximated.stop :].all())
         run_max = x.double().abs().reshape(rows, k // 32, 32).amax(-1)

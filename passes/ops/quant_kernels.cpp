@@ -146,6 +146,10 @@ constexpr int TILE_N = 16;
 // Rows of x from which the strips beat the row product (raw A/B, NOTES 49): q8 1.26x at
 // 6 rows, 0.90x at 4; q4 0.93x at 6, 1.04x at 8.
 constexpr int64_t TILED_ROWS_Q8 = 6, TILED_ROWS_Q4 = 8;
+// Rows of x up to which Q8_0's row products may take int8 activations (`int8_x`): raw
+// A/B against the exact ones (NOTES 55), 1.7B shapes 1.01x / 0.98x / 0.95x / 0.82x /
+// 0.91x at 1-5 rows, 135M shapes 1.16x / 1.14x at 1-2, 0.96x at 4.
+constexpr int64_t INT8_ROWS_Q8 = 2;
 // log2 of q4's runs a group (bf16 path: 1, 2, 4 ... 16).
 inline int runs_shift(int64_t g) {
   int shift = 0;
@@ -816,11 +820,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
   const bool strips = path == Path::bf16 && M >= tiled_rows && N >= TILE_N;
   // Q8_0 with int8 activations where the caller allows it (flags bit 5), as llama.cpp
-  // multiplies: its strips from 6 rows, the integer row product below that (1.03-1.22x the
-  // exact one end to end on the 1.7B file, by how fast the memory is: NOTES 55).
+  // multiplies: its strips from 6 rows, the integer row product up to INT8_ROWS_Q8 rows
+  // (1.01-1.22x the exact one end to end at batch 1 on the 1.7B file, by how fast the
+  // memory is: NOTES 55); the exact row product between.
   const bool int8_x = !Q4 && g == 32 && (flags & 32) && path == Path::bf16;
   const bool int8_strips = CC_INT8_STRIPS && strips && int8_x;
-  if (CC_INT8_STRIPS && int8_x && !strips) path = Path::int8;
+  if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8) path = Path::int8;
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
                           : Q4 && path == Path::bf16 ? K / 2 + K / 16
                           : int8_strips ? K / 4 + K / 32 : 0;

@@ -191,8 +191,8 @@ def kernel_path() -> str:
 @functools.cache
 def int8_strips() -> bool:
     """Whether `q8_linear(..., int8_x=True)` quantizes activations here (AVX512-BF16 and
-    AVX512-VNNI: Q8_0's products, its strips from 6 rows and its row products below; the
-    row products past a whole number of strips stay exact)."""
+    AVX512-VNNI: Q8_0's products, its strips from 6 rows and its row products for 1-2
+    rows; 3-5 rows and the rows past a whole number of strips stay exact)."""
     lib = _kernel()
     return lib is not None and bool(lib.quant_kernels_int8_strips())
 
@@ -286,9 +286,10 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     """y [M, N] = x @ dequantize_q8(w, scales)^T (+ bias). `int8_x`: for Q8_0 (bf16 x,
     groups of 32, AVX512-BF16 and AVX512-VNNI) x may be quantized to int8 per run of 32 as
     llama.cpp does: its strips (6 rows and more) 1.5x the exact products' speed, its row
-    products 1.03-1.22x (NOTES 55), within ~1% of the largest output
-    (tests/test_quantized.py bounds it); the rows past a whole number of strips (a strip:
-    16 weight rows) stay exact."""
+    products for 1-2 rows 1.01-1.22x (NOTES 55), within ~1% of the largest output
+    (tests/test_quantized.py bounds it); 3-5 rows (where the integer row product was
+    slower) and the rows past a whole number of strips (a strip: 16 weight rows) stay
+    exact."""
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q8_call((x, w, scales, bias, out_dtype, int8_x), y)
     if call is None:
