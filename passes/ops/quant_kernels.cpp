@@ -66,6 +66,8 @@ struct CompactPtr {
   const uint8_t* sub;    // the row's sub-block bytes
   const uint8_t* super;  // then its fp32 super-block scales
   int64_t at;            // the group this points at
+  // A row's bytes: its sub-block bytes, then an fp32 scale a super-block.
+  static int64_t row_bytes(int64_t groups) { return groups + groups / PER_SUPER * 4; }
   CompactPtr operator+(int64_t i) const { return {sub, super, at + i}; }
   float operator[](int64_t i) const {
     float d;
@@ -104,7 +106,7 @@ struct CompactScales {
   const uint8_t* base;
   int64_t groups;
   const float* rows(int64_t n, int64_t count, float* buf) const {
-    const int64_t stride = groups + groups / CompactPtr<Q4>::PER_SUPER * 4;  // bytes a row
+    const int64_t stride = CompactPtr<Q4>::row_bytes(groups);
     for (int64_t r = 0; r < count; ++r) {
       const uint8_t* row = base + (n + r) * stride;
       const CompactPtr<Q4> p{row, row + groups, 0};
@@ -365,16 +367,23 @@ inline void reorder_pairs(const bf16* x, int64_t K, bf16* xp) {
 // that loop widens the chunk's 64 bytes, parts A, B, C, D of 32 values: the low nibbles
 // of even bytes, of odd bytes, then the high nibbles of even and of odd bytes (byte j of a
 // run holds value j low, j + 16 high); a last pair of runs (K % 128 == 64) as pairs.
+struct ChunkOrder {
+  alignas(64) int16_t at[4][32];
+};
+// Part P's value e is x[e / 8 * 32 + 2 (e % 8) + (P & 1) + 16 (P >> 1)]: runs 0-1 from one
+// pair of vectors and runs 2-3 from the other, the same indices into each.
+constexpr ChunkOrder chunk_order() {
+  ChunkOrder o{};
+  for (int part = 0; part < 4; ++part)
+    for (int e = 0; e < 32; ++e)
+      o.at[part][e] = int16_t(e / 8 % 2 * 32 + 2 * (e % 8) + (part & 1) + 16 * (part >> 1));
+  return o;
+}
+inline constexpr ChunkOrder CHUNK_ORDER = chunk_order();
+
 inline void reorder_chunks(const bf16* x, int64_t K, bf16* xp) {
-  // part P's value e: x[e / 8 * 32 + 2 (e % 8) + (P & 1) + 16 (P >> 1)], runs 0-1 from
-  // one pair of vectors and runs 2-3 from the other, the same indices into each
   __m512i idx[4];
-  for (int part = 0; part < 4; ++part) {
-    alignas(64) int16_t at[32];
-    for (int e = 0; e < 32; ++e) at[e] = int16_t(e / 8 % 2 * 32 + 2 * (e % 8) + (part & 1) +
-                                                 16 * (part >> 1));
-    idx[part] = _mm512_load_si512(at);
-  }
+  for (int part = 0; part < 4; ++part) idx[part] = _mm512_load_si512(CHUNK_ORDER.at[part]);
   int64_t k = 0;
   for (; k + 128 <= K; k += 128) {
     __m512i r[4];
@@ -394,7 +403,7 @@ template <bool Q4, bool Compact, typename S>
 inline auto fields_at(const S* base, int64_t groups, int64_t n, const S* decoded) {
   if constexpr (Compact) {
     if (!base) return CompactPtr<Q4>{nullptr, nullptr, 0};
-    const int64_t stride = groups + groups / CompactPtr<Q4>::PER_SUPER * 4;
+    const int64_t stride = CompactPtr<Q4>::row_bytes(groups);
     const uint8_t* row = reinterpret_cast<const uint8_t*>(base) + n * stride;
     return CompactPtr<Q4>{row, row + groups, 0};
   } else {
