@@ -170,7 +170,7 @@ class CompilecoreBackend:
         cc = self.config.compilation_config
         self.traced_files = traced_files(gm)
         self.stats.factors = cache_factors(
-            self.config, gm, self.pass_manager.uuid(), self.traced_files
+            self.config, gm, self.pass_manager.uuid(), self.traced_files, example_inputs
         )
         self.cache_key = cache_key(self.stats.factors)
         try:

@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,16 @@ def compilecore_source_hash() -> str:
 
 
 def cache_factors(
-    engine_config: EngineConfig, gm: fx.GraphModule, pass_uuid: str, files: list[str]
+    engine_config: EngineConfig,
+    gm: fx.GraphModule,
+    pass_uuid: str,
+    files: list[str],
+    example_inputs: Sequence[Any] = (),
 ) -> dict[str, Any]:
-    """Everything that changes the compiled code, by name (also shown in dumps)."""
+    """Everything that changes the compiled code, by name (also shown in dumps). The
+    inputs' shapes and dtypes count too: the graph's code names its inputs only, and two
+    files of one model whose layers hold different block formats (a Q8_0 and a Q6_K
+    layer both trace as `dequantize_q8`) trace to the same code over other weights."""
     sources = hashlib.sha256()
     for path in files:
         sources.update(path.encode() + Path(path).read_bytes())
@@ -125,7 +133,18 @@ def cache_factors(
         **config_factors(engine_config, pass_uuid),
         "traced_sources": sources.hexdigest(),
         "graph": hashlib.sha256(gm.code.encode()).hexdigest(),
+        "inputs": hashlib.sha256(json.dumps(_input_specs(example_inputs)).encode()).hexdigest(),
     }
+
+
+def _input_specs(example_inputs: Sequence[Any]) -> list[Any]:
+    """Each input's dtype, shape and strides (symbolic sizes by name), or its type."""
+    return [
+        [str(t.dtype), [str(s) for s in t.shape], [str(s) for s in t.stride()]]
+        if isinstance(t, torch.Tensor)
+        else type(t).__name__
+        for t in example_inputs
+    ]
 
 
 def cache_key(factors: dict[str, Any]) -> str:

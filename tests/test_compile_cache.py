@@ -134,3 +134,31 @@ def test_damaged_recipe_falls_back_to_tracing(tiny_llama, tmp_path):
     before = compilation_counter.num_graphs_seen
     assert _greedy(tiny_llama[0], tmp_path) == want
     assert compilation_counter.num_graphs_seen == before + 1  # traced again
+
+
+def test_files_in_other_block_formats_do_not_share_artifacts(tokenizer_dir, tmp_path):
+    """Two GGUF files of one model, Q8_0 layers in one and Q6_K layers in the other: both
+    trace as `dequantize_q8` to the same graph code, over fields of other shapes. The
+    cache tells them apart by the graph's inputs, so the second file's start compiles its
+    own code (it loaded the first file's, whose shape checks failed) and gives the tokens
+    it gives with a cache of its own."""
+    from runtime import LLM, SamplingParams
+    from tests.gguf_files import Q, write_gguf
+    from tests.helpers import llama_config, save_checkpoint
+
+    config = llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                          num_key_value_heads=2)  # fmt: skip
+    hf = save_checkpoint(tmp_path / "hf", config)
+    files = {q: tmp_path / f"{q.name}.gguf" for q in (Q.Q8_0, Q.Q6_K)}
+    for q, path in files.items():
+        write_gguf(path, hf, {}, q)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def tokens(path: Path, cache: Path) -> list[list[int]]:
+        llm = LLM(str(path), tokenizer=str(tokenizer_dir), max_model_len=64,
+                  compilation_config={"cache_dir": str(cache)})  # fmt: skip
+        outs = llm.generate([[5, 17, 33], [9]], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    tokens(files[Q.Q8_0], tmp_path / "shared")
+    assert tokens(files[Q.Q6_K], tmp_path / "shared") == tokens(files[Q.Q6_K], tmp_path / "own")
