@@ -30,6 +30,7 @@ import torch
 from models.cache_files import write_folder_once
 from models.gguf_file import GGUFFile, GGUFFormatError
 from models.layers.quantization import QuantFormat, QuantizationConfig
+from passes.ops.quantized import pack_q6
 
 logger = logging.getLogger("compilecore")
 
@@ -83,7 +84,7 @@ def _kept_formats() -> dict[Any, QuantFormat]:
 
     return {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32),
             T.Q4_K: QuantFormat(4, 32, torch.uint8),
-            T.Q6_K: QuantFormat(8, 16, torch.int8)}  # fmt: skip
+            T.Q6_K: QuantFormat(6, 16, torch.int8)}  # fmt: skip
 
 
 def _dense_types() -> set[Any]:
@@ -192,8 +193,9 @@ def _q4_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
 def _q6_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     """Q6_K super-blocks (256 values, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit
     highs, 16 int8 scales for runs of 16, d fp16) as our q8 fields in groups of 16: the
-    values q - 32 and the scales as stored (compact: per row the int8 sc, then each
-    super-block's d as fp32 bytes; scale d x sc, exact)."""
+    values q - 32 kept in 6 bits (`pack_q6`: 216 bytes a super-block with the scales) and
+    the scales as stored (compact: per row the int8 sc, then each super-block's d as fp32
+    bytes; scale d x sc, exact)."""
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, 210)
     ql = b[..., :128].reshape(rows, -1, 2, 2, 32)  # [.., half, low 32 / high 32, l]
@@ -203,7 +205,7 @@ def _q6_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     q = (lo | (hi << 4)).to(torch.int8) - 32
     sc = b[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
     d = _halves(b[..., 208:210]).contiguous().view(torch.int8).reshape(rows, -1)
-    return {"qweight": q.reshape(rows, -1).contiguous(), "scales": torch.cat([sc, d], -1)}
+    return {"qweight": pack_q6(q.reshape(rows, -1)), "scales": torch.cat([sc, d], -1)}
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:

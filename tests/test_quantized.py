@@ -68,12 +68,13 @@ def _compact6(g, n, groups, top):
     return torch.cat([sub, sup.view(torch.int8)], 1)
 
 
-def _q8_fields(g, n, k, group=32, k_quant=False):
+def _q8_fields(g, n, k, group=32, k_quant=False, packed=True):
     """q8 fields; `k_quant`: Q6_K's (values within 6 bits, compact scales, groups of 16:
-    k a multiple of 256)."""
+    k a multiple of 256), the values packed in 6 bits as GGUF files load them, or
+    (`packed=False`) one int8 each."""
     if k_quant:
         w = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g)
-        return w, _compact6(g, n, k // 16, 0.04)
+        return quantized.pack_q6(w) if packed else w, _compact6(g, n, k // 16, 0.04)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
     return w, _scales(g, (n, k // group), 0.01)
 
@@ -149,7 +150,7 @@ def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
 
 @testing.settings(max_examples=20)
 @given(rows=st.integers(1, 16), n=st.integers(1, 40), runs=st.sampled_from([2, 4, 18]),
-       fmt=st.sampled_from(["q4", "q4_k", "q4_g128", "q8", "q6_k", "int8"]),
+       fmt=st.sampled_from(["q4", "q4_k", "q4_g128", "q8", "q6_k", "q6_k_int8", "int8"]),
        outliers=st.booleans(), int8_x=st.booleans(),
        seed=st.integers(0, 2**16))  # fmt: skip
 def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers, int8_x, seed):
@@ -159,14 +160,16 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     does, which adds up to sum over runs of (max |x| in the run / 254) * sum |w| over the
     run. q4's bf16 path takes its +128 offset off per group (below), which cancels:
     outliers (a channel ~1000x the rest, as real models have) show that term; q8's
-    multiplies the integers themselves and has none. q8 groups: Q8_0's 32, Q6_K's 16 and
-    int8's whole row; q4 groups of 32 and of 128 (int4_g128). `int8_x` (q8's argument):
-    Q8_0's strips (6 rows and more, 16 weight rows) quantize activations the same way on
-    CPUs with both AVX512-BF16 and AVX512-VNNI, and so do its row products for 1-2 rows,
-    under the same bound."""
+    multiplies the integers themselves and has none, but Q6_K's 6-bit values take a +160
+    off per group of 16 the same way. q8 groups: Q8_0's 32, Q6_K's 16 (its values in 6
+    bits, or one int8 each) and int8's whole row; q4 groups of 32 and of 128 (int4_g128).
+    `int8_x` (q8's argument): Q8_0's strips (6 rows and more, 16 weight rows) quantize
+    activations the same way on CPUs with both AVX512-BF16 and AVX512-VNNI, and so do its
+    row products for 1-2 rows, under the same bound."""
     g = torch.Generator().manual_seed(seed)
     whole = 256 * max(1, runs // 4)  # the K-quants' super-blocks
-    k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole, "q6_k": whole}.get(fmt, 32 * runs)
+    k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole}.get(fmt, 32 * runs)
+    k = whole if fmt.startswith("q6_k") else k
     runs = k // 32
     x = torch.randn(rows, k, generator=g)
     if outliers:  # a channel ~1000x the rest, as real models' activations have
@@ -177,8 +180,8 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
         got = ops.q4_linear(x, *fields, None, torch.float32)
         w = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
-        group = {"q8": 32, "q6_k": 16, "int8": k}[fmt]
-        fields = _q8_fields(g, n, k, group, fmt == "q6_k")
+        group = {"q8": 32, "q6_k": 16, "q6_k_int8": 16, "int8": k}[fmt]
+        fields = _q8_fields(g, n, k, group, fmt.startswith("q6_k"), fmt == "q6_k")
         got = ops.q8_linear(x, *fields, None, torch.float32, int8_x)
         w = quantized.dequantize_q8_ref(*fields, torch.float64)
     xd = x.double()
@@ -197,10 +200,15 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
         group_abs = xd.abs().reshape(rows, quantized.groups_of(fields[1]), -1).sum(-1)
         terms = _values(fields[1]).double().abs() * 256 + _values(fields[2]).double().abs()
         bound = bound + group_abs @ terms.T * 2**-20
+    if path == "bf16" and fmt == "q6_k":  # terms ~(192 + 160) d sum|x| per group of 16
+        group_abs = xd.abs().reshape(rows, k // 16, 16).sum(-1)
+        bound = bound + group_abs @ _values(fields[1]).double().abs().T * 352 * 2**-20
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q8_int8_x", "q6_k", "int8", "q4", "q4_k", "q4_g128"])
+@pytest.mark.parametrize(
+    "fmt", ["q8", "q8_int8_x", "q6_k", "q6_k_int8", "int8", "q4", "q4_k", "q4_g128"]
+)
 @pytest.mark.parametrize("rows", [21, 4, 1])
 def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     """Enough rows for the strips of 16 weight rows (40 = two strips and 8 rows left to
@@ -219,8 +227,8 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
         got = ops.q4_linear(x, *fields, bias, torch.bfloat16).double()
         values = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
-        group = {"q8": 32, "q8_int8_x": 32, "q6_k": 16, "int8": k}[fmt]
-        fields = _q8_fields(g, n, k, group, fmt == "q6_k")
+        group = {"q8": 32, "q8_int8_x": 32, "q6_k": 16, "q6_k_int8": 16, "int8": k}[fmt]
+        fields = _q8_fields(g, n, k, group, fmt.startswith("q6_k"), fmt == "q6_k")
         got = ops.q8_linear(x, *fields, bias, torch.bfloat16, fmt == "q8_int8_x").double()
         values = quantized.dequantize_q8_ref(*fields, torch.float64)
     want = x.double() @ values.T + bias.double()
@@ -359,7 +367,7 @@ def test_fused_parts_in_different_formats_are_multiplied_apart(bias):
     from models.layers.quantization import QuantizationConfig, quant_fields
 
     g = torch.Generator().manual_seed(0)
-    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(8, 16, torch.int8)
+    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(6, 16, torch.int8)
     config = QuantizationConfig("gguf", parts={"attn.qkv_proj": (q4_k, q4_k, q6_k)})
     layer = QKVParallelLinear(256, 32, 4, 2, bias=bias, quant_config=config,
                               prefix="attn.qkv_proj", params_dtype=torch.float32)  # fmt: skip
@@ -482,9 +490,9 @@ def test_gguf_logits_match_hf_on_the_dequantized_weights(tiny_gguf):
 def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     """A Q4_K_M-like mix (Q4_K; Q6_K for the MLP's down projection, the head and one
     layer's v projection): Q4_K layers hold q4 blocks and Q6_K ones q8 blocks in groups of
-    16, both with their scales as stored; the fused QKV whose parts differ holds each part
-    in its own format, and one whose v is Q5_0 (not kept) loads as floats. Logits against
-    HF holding gguf-py's dequantization of every block."""
+    16 with their values in 6 bits, both with their scales as stored; the fused QKV whose
+    parts differ holds each part in its own format, and one whose v is Q5_0 (not kept)
+    loads as floats. Logits against HF holding gguf-py's dequantization of every block."""
     from tests.gguf_files import write_gguf
     from tests.helpers import llama_config, save_checkpoint
 
@@ -496,7 +504,7 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
              "layers.2.self_attn.v_proj": Q.Q5_0}  # fmt: skip
     oracle = write_gguf(path, hf, types, Q.Q4_K)
     quant = gguf.quant_config(path)
-    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(8, 16, torch.int8)
+    q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(6, 16, torch.int8)
     assert quant.formats["model.layers.0.self_attn.qkv_proj"] == q4_k
     assert quant.formats["model.layers.0.mlp.down_proj"] == q6_k
     assert quant.formats["lm_head"] == q6_k
@@ -506,7 +514,7 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
                                      hf_config=load_hf_config(gguf.metadata_dir(path)))  # fmt: skip
     assert model.model.layers[0].mlp.down_proj.scales.dtype == torch.int8
     qkv = model.model.layers[1].self_attn.qkv_proj
-    assert (qkv.qweight_q.dtype, qkv.qweight_v.dtype) == (torch.uint8, torch.int8)
+    assert qkv.qweight_v.dtype == torch.uint8 and qkv.qweight_v.shape[1] == 256 // 4 * 3
     assert not hasattr(qkv, "weight") and qkv.scales_v.shape[1] == 256 // 16 + 4
     assert model.model.layers[2].self_attn.qkv_proj.weight.dtype.is_floating_point
     assert "1 fused modules (model.layers.2.self_attn.qkv_proj" in caplog.text

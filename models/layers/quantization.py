@@ -27,7 +27,9 @@ from passes.ops.quantized import GROUPS_PER_SUPER
 
 @dataclass(frozen=True)
 class QuantFormat:
-    bits: int  # 4 (q4: scale and min per group) or 8 (q8: scale per group)
+    # 4 (q4: scale and min per group), 8 (q8: scale per group) or 6 (q8's values kept in
+    # 6 bits: Q6_K's, passes/ops/quantized.py `pack_q6`)
+    bits: int
     group: int  # values per scale; 0: one scale per row (per output channel)
     # The K-quants' scales as stored (passes/ops/quantized.py: `expand_compact`): uint8 for
     # Q4_K's scales and mins, int8 for Q6_K's; fp32 where a super-block scale times a
@@ -35,12 +37,14 @@ class QuantFormat:
     scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"block formats have 4 or 8 bits, not {self.bits}")
+        if self.bits not in (4, 6, 8):
+            raise ValueError(f"block formats have 4, 6 or 8 bits, not {self.bits}")
         if self.scale_dtype == torch.uint8 and self.bits != 4:
             raise ValueError("compact uint8 scales are Q4_K's: 4 bits only")
-        if self.scale_dtype == torch.int8 and self.bits != 8:
-            raise ValueError("compact int8 scales are Q6_K's: 8 bits only")
+        if self.scale_dtype == torch.int8 and self.bits == 4:
+            raise ValueError("compact int8 scales are Q6_K's: 6 or 8 bits only")
+        if self.bits == 6 and (self.scale_dtype != torch.int8 or self.group != 16):
+            raise ValueError("6-bit values are Q6_K's: groups of 16, compact int8 scales")
 
     @property
     def compact(self) -> bool:
@@ -67,17 +71,19 @@ class QuantFormat:
             scales = ((rows, groups + groups // per * 4), self.scale_dtype)
         if self.bits == 8:
             return {"qweight": ((rows, cols), torch.int8), "scales": scales}
+        if self.bits == 6:  # whole super-blocks (above): whole chunks of 128
+            return {"qweight": ((rows, cols // 4 * 3), torch.uint8), "scales": scales}
         return {"qweight": ((rows, cols // 2), torch.uint8), "scales": scales, "mins": scales}
 
     def names(self) -> tuple[str, ...]:
-        return ("qweight", "scales") if self.bits == 8 else ("qweight", "scales", "mins")
+        return ("qweight", "scales", "mins") if self.bits == 4 else ("qweight", "scales")
 
     def dequantize(self, fields: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The values of `fields` (in `names()` order) in `dtype`."""
         ops = torch.ops.compilecore
-        if self.bits == 8:
-            return ops.dequantize_q8(*fields, dtype)
-        return ops.dequantize_q4(*fields, dtype)
+        if self.bits == 4:
+            return ops.dequantize_q4(*fields, dtype)
+        return ops.dequantize_q8(*fields, dtype)
 
     def product(self, x: torch.Tensor, fields: Sequence[torch.Tensor],
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -85,9 +91,9 @@ class QuantFormat:
         """x @ values^T (+ bias) read straight from the blocks (the LM head's product,
         which runs outside compiled code); `int8_x`: q8's argument of that name."""
         ops = torch.ops.compilecore
-        if self.bits == 8:
-            return ops.q8_linear(x, *fields, bias, out_dtype, int8_x)
-        return ops.q4_linear(x, *fields, bias, out_dtype)
+        if self.bits == 4:
+            return ops.q4_linear(x, *fields, bias, out_dtype)
+        return ops.q8_linear(x, *fields, bias, out_dtype, int8_x)
 
 
 def quant_fields(module: nn.Module, fmt: QuantFormat | None = None, suffix: str = ""

@@ -2,7 +2,8 @@
 // y [M, N] = x [M, K] @ dequantize(w)^T (+ bias); `flags` bit 0: x and bias are bf16 (else
 // fp32), bit 1: y is bf16 (else fp32), bit 2: scales and mins are fp32 (else fp16), bit 4:
 // they are stored compact, as Q4_K's (q4) or Q6_K's (q8) super-blocks hold them
-// (`CompactScales` below), bit 5: Q8_0's strips may quantize x to int8 (`Strip8`).
+// (`CompactScales` below), bit 5: Q8_0's strips may quantize x to int8 (`Strip8`), bit 6:
+// q8's values are Q6_K's, packed in 6 bits (`unpack_q6_row`).
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
@@ -10,7 +11,8 @@
 //       or fp32 [N, K/g]; value = scale * q + min. GGUF Q4_1 as stored, Q4_0 with min =
 //       -8 scale, Q4_K with fp32 scales and mins (its nibbles reordered at load).
 //   q8: w int8 [N, K], scales fp16 or fp32 [N, K/g]; value = scale * q. GGUF Q8_0 (g =
-//       32), Q6_K (g = 16, compact scales, q - 32), int8 per output channel (g = K).
+//       32), int8 per output channel (g = K); Q6_K (g = 16, compact scales, q - 32) with
+//       w uint8 [N, 3K/4], its 6-bit values packed as `unpack_q6_row` reads them.
 // Three paths. fp32 activations: every value dequantized in fp32 exactly as the reference
 // does (scale * q is exact, one rounding for the min), products summed in fp32. bf16
 // activations with AVX512-BF16: exact products of the weights' integers (q4's nibbles, q8's
@@ -157,6 +159,25 @@ inline int runs_shift(int64_t g) {
   int shift = 0;
   while ((32 << shift) < g) ++shift;
   return shift;
+}
+
+// Q6_K's 6-bit rows (passes/ops/quantized.py `pack_q6` writes them): per chunk of 128
+// values, 64 bytes of low nibbles in q4's order (a run of 32 in 16 bytes, byte j holding
+// value j low and j + 16 high), then 32 bytes of the values' top two bits, byte i holding
+// those of nibble bytes 2i and 2i + 1 (bits 0-1: 2i's low nibble's value, 2-3: 2i + 1's
+// low, 4-5: 2i's high, 6-7: 2i + 1's high). A value is u - 32 (Q6_K's own offset). The
+// bf16 row product reads chunks in place (`row_product_q6_bf16`); the other paths read
+// rows unpacked to int8 by this.
+inline void unpack_q6_row(const uint8_t* w, int64_t K, int8_t* out) {
+  for (int64_t c = 0; c < K / 128; ++c) {
+    const uint8_t *nib = w + c * 96, *top = nib + 64;
+    int8_t* o = out + c * 128;
+    for (int b = 0; b < 64; ++b) {
+      const int e = 2 * (b % 2), at = b / 16 * 32 + b % 16;
+      o[at] = int8_t(((nib[b] & 15) | ((top[b / 2] >> e & 3) << 4)) - 32);
+      o[at + 16] = int8_t(((nib[b] >> 4) | ((top[b / 2] >> (4 + e) & 3) << 4)) - 32);
+    }
+  }
 }
 
 constexpr int STRIP_MB = 8;  // rows of x a strip takes at a time (12: no faster, NOTES 49)
@@ -481,6 +502,65 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
   }
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
 }
+// Q6_K's packed values on the same path (`unpack_q6_row` has the layout): a chunk's
+// nibbles and top bits make each u the bf16 128 + u in place (u < 64), and the 160 the
+// value q = u - 32 lacks comes off per group of 16 through x's sums of 16:
+//   sum_j d q_j x_j = d sum_j (128 + u_j) x_j - 160 d sum_j x_j.
+// A run's low nibbles are its first 16 values, so parts a, b of a chunk (x reordered as
+// for q4) belong to the runs' even groups and parts c, d to their odd ones.
+template <int MB>
+inline void row_product_q6_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w,
+                                CompactPtr<false> s, float* out) {
+  __m512 acc[MB_MAX], odd[MB_MAX], offset[MB_MAX];  // odd: the odd groups' (two chains)
+  for (int m = 0; m < MB; ++m) acc[m] = odd[m] = offset[m] = _mm512_setzero_ps();
+  const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f),
+                top = _mm512_set1_epi16(0x0030);
+  // lanes 4i .. 4i + 3 hold run i of a chunk: its even group, 2i
+  const __m512i even = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+  for (int64_t g0 = 0; g0 < K / 16; g0 += 16) {  // a super-block: 16 groups, 2 chunks
+    const __m512 d = scales16(s + g0, 0xffff);
+    const __m512 minus = _mm512_mul_ps(d, _mm512_set1_ps(-160.f));
+    for (int m = 0; m < MB; ++m)
+      offset[m] = _mm512_fmadd_ps(minus, _mm512_loadu_ps(rows[m].sum + g0), offset[m]);
+    for (int c = 0; c < 2; ++c) {
+      const int64_t k = g0 * 16 + c * 128;
+      const uint8_t* chunk = w + k / 128 * 96;
+      prefetch_weights(chunk);
+      prefetch_weights(chunk + 64);
+      const __m512i v = _mm512_loadu_si512(chunk);
+      const __m512i h = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64)));
+      // (nibble & 15) | exponent, then | (top bits & 0x30): truth tables 0xea, 0xf8
+      const __m512i a = _mm512_ternarylogic_epi32(
+          _mm512_ternarylogic_epi32(low, v, exponent, 0xea), _mm512_slli_epi16(h, 4), top, 0xf8);
+      const __m512i b = _mm512_ternarylogic_epi32(
+          _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 8), exponent, 0xea),
+          _mm512_slli_epi16(h, 2), top, 0xf8);
+      const __m512i cc = _mm512_ternarylogic_epi32(
+          _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 4), exponent, 0xea), h, top, 0xf8);
+      const __m512i dd = _mm512_ternarylogic_epi32(
+          _mm512_or_si512(_mm512_srli_epi16(v, 12), exponent), _mm512_srli_epi16(h, 2), top,
+          0xf8);
+      const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(8 * c), even);
+      const __m512 d_even = _mm512_permutexvar_ps(at, d);
+      const __m512 d_odd = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(1)), d);
+      for (int m = 0; m < MB; ++m) {
+        const bf16* xm = rows[m].x + k;
+        __m512 lo = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)a,
+                                     (__m512bh)_mm512_loadu_si512(xm));
+        lo = _mm512_dpbf16_ps(lo, (__m512bh)b, (__m512bh)_mm512_loadu_si512(xm + 32));
+        __m512 hi = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)cc,
+                                     (__m512bh)_mm512_loadu_si512(xm + 64));
+        hi = _mm512_dpbf16_ps(hi, (__m512bh)dd, (__m512bh)_mm512_loadu_si512(xm + 96));
+        acc[m] = _mm512_fmadd_ps(lo, d_even, acc[m]);
+        odd[m] = _mm512_fmadd_ps(hi, d_odd, odd[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m], odd[m]), offset[m]));
+}
+
 // q8 on the same path, one product a value: q in [-128, 127] is exact in bf16 (8 bits of
 // significand), so a run of 32 widens to fp32 and narrows to bf16 without rounding, and
 // `vdpbf16ps` multiplies it by 32 activations exactly and adds in fp32. Groups of G = 32
@@ -824,6 +904,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
   const int64_t bf = flags & 1;
   Path path = choose(Q4, bf, K, g);
+  // Q6_K's packed rows (compact scales, K whole super-blocks): the bf16 row product reads
+  // them in place, with x reordered and summed per 16 as q4's; other paths unpack a row
+  // (or a strip's 16) to int8 first.
+  const bool six = !Q4 && Compact && (flags & 64);
+  const bool x_chunks = (Q4 || six) && path == Path::bf16;
+  const int64_t row_bytes = Q4 ? K / 2 : six ? K / 4 * 3 : K;
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
   const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
@@ -836,18 +922,21 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool int8_strips = CC_INT8_STRIPS && strips && int8_x;
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8) path = Path::int8;
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
-                          : Q4 && path == Path::bf16 ? K / 2 + K / 16
+                          : x_chunks ? K / 2 + K / 16
                           : int8_strips ? K / 4 + K / 32 : 0;
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
   const int64_t groups = K / g;
   const int64_t strip_groups = Q4 ? K / 32 : groups;  // q4's strips scale per run
   const int shift = runs_shift(g);  // q4's runs a group, as a shift
   const int64_t strip_floats = strips ? K * 8 + 2 * strip_groups * TILE_N + 16 : 0;
+  const bool unpack = six && path != Path::bf16;  // rows unpacked in the row loop (and
+  // a strip's 16 before it packs them, into the same buffer)
   float* xf = scratch(M * (x_floats + per_row) + strip_floats +
-                      (Compact ? 2 * TILE_N * groups : 0));
+                      (Compact ? 2 * TILE_N * groups : 0) + (six ? TILE_N * K / 4 : 0));
   float* extra = xf + M * x_floats;
   float* scale_buf = extra + M * per_row + strip_floats;  // compact rows decoded
   float* min_buf = scale_buf + TILE_N * groups;
+  int8_t* unpacked = reinterpret_cast<int8_t*>(min_buf + TILE_N * groups);
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
 #if CC_INT8_PATH
   auto quant_row = [&](int64_t m) {
@@ -865,15 +954,14 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     float* base = extra + m * per_row;
     return Bf16Row{reinterpret_cast<const bf16*>(base), base + K / 2};
   };
-  if (Q4 && path == Path::bf16)  // q8 reads x as it is; q4 needs sums, and the row product
-    for (int64_t m = 0; m < M; ++m) {  // the nibbles' order (not where strips take every row)
-      float* base = extra + m * per_row;
+  if (x_chunks)  // q8 reads x as it is; q4 (and Q6_K's 6 bits) need sums, and the row
+    for (int64_t m = 0; m < M; ++m) {  // product the nibbles' order (not where strips take
+      float* base = extra + m * per_row;  // every row)
       const bf16* xm = static_cast<const bf16*>(x) + m * K;
       if (!strips || N % TILE_N) reorder_chunks(xm, K, reinterpret_cast<bf16*>(base));
-      run_sums(xm, K, base + K / 2, 32);
+      run_sums(xm, K, base + K / 2, Q4 ? 32 : 16);
     }
 #endif
-  const int64_t row_bytes = Q4 ? K / 2 : K;
   int64_t tiled = 0;  // rows [0, tiled) of w go by strips
 #if CC_INT8_STRIPS
   if constexpr (!Q4) {
@@ -916,9 +1004,15 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     for (int64_t strip = 0; strip < N / TILE_N; ++strip) {  // (x's chunks in L2: no faster)
       const int64_t n0 = strip * TILE_N;
       const S* ms = Q4 ? scale_rows<Q4, Compact>(mins, groups, n0, TILE_N, min_buf) : nullptr;
-      pack_strip<Q4>(static_cast<const char*>(w) + n0 * row_bytes,
-                     scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), ms, K,
-                     groups, st);
+      const char* rows = static_cast<const char*>(w) + n0 * row_bytes;
+      if (six) {
+        for (int64_t r = 0; r < TILE_N; ++r)
+          unpack_q6_row(reinterpret_cast<const uint8_t*>(rows) + r * row_bytes, K,
+                        unpacked + r * K);
+        rows = reinterpret_cast<const char*>(unpacked);
+      }
+      pack_strip<Q4>(rows, scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), ms,
+                     K, groups, st);
       for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
         float out[STRIP_MB * TILE_N];
         const float* sums[STRIP_MB];
@@ -947,7 +1041,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // One row of x: a loop of its own (q4 through it ran 0.87-1.07x, by how the compiler
   // inlined it: NOTES 55)
   if constexpr (!Q4) {
-    if (path == Path::bf16 && M == 1) {
+    if (path == Path::bf16 && M == 1 && !six) {
       auto fields = [&](int64_t n) {
         return fields_at<Q4, Compact>(scales, groups, n, scales + (Compact ? 0 : n * groups));
       };
@@ -974,6 +1068,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #pragma omp for schedule(guided, guided_rows(row_bytes)) nowait
   for (int64_t n = tiled; n < N; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
+    if (unpack) {
+      unpack_q6_row(reinterpret_cast<const uint8_t*>(wrow), K, unpacked);
+      wrow = reinterpret_cast<const char*>(unpacked);
+    }
     const S* s = in_place ? nullptr : scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf);
     const S* mn = Q4 && !in_place ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf)
                                   : nullptr;
@@ -986,6 +1084,19 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
       const float* xm = xf + m0 * x_floats;
 #if CC_BF16_PATH
+      if constexpr (!Q4 && Compact) {
+        if (six && path == Path::bf16) {
+          Bf16Row rm[MB_MAX];
+          for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);
+          const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
+          if (mb == 4) row_product_q6_bf16<4>(rm, K, wq, sp, out);
+          else if (mb == 3) row_product_q6_bf16<3>(rm, K, wq, sp, out);
+          else if (mb == 2) row_product_q6_bf16<2>(rm, K, wq, sp, out);
+          else row_product_q6_bf16<1>(rm, K, wq, sp, out);
+          store(y, flags, bias, N, n, m0, mb, out);
+          continue;
+        }
+      }
       if constexpr (!Q4) {
         if (path == Path::bf16) {  // x read as it is
           const bf16* xs[MB_MAX];
@@ -1077,12 +1188,18 @@ template <bool Q4, typename S, bool Compact = false>
 void dequantize_team(const void* w, const S* scales, const S* mins, void* out, int64_t flags,
                      int64_t N, int64_t K, int64_t g) {
   const bool bf = flags & 1, split = bf && (flags & 8);
+  const bool six = !Q4 && Compact && (flags & 64);  // Q6_K's packed rows, unpacked first
   const auto [begin, end] = share(N);
-  const int64_t row_bytes = Q4 ? K / 2 : K, groups = K / g;
-  float* row = scratch(K + 2 * groups);
+  const int64_t row_bytes = Q4 ? K / 2 : six ? K / 4 * 3 : K, groups = K / g;
+  float* row = scratch(K + 2 * groups + K / 4);
   float *scale_buf = row + K, *min_buf = scale_buf + groups;
+  int8_t* unpacked = reinterpret_cast<int8_t*>(min_buf + groups);
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
+    if (six) {
+      unpack_q6_row(reinterpret_cast<const uint8_t*>(wrow), K, unpacked);
+      wrow = reinterpret_cast<const char*>(unpacked);
+    }
     float* dst = bf ? row : static_cast<float*>(out) + n * K;
     const S* mn = Q4 ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf) : nullptr;
     dequantize_row<Q4>(wrow, scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf), mn, K,
@@ -1172,7 +1289,8 @@ void q8_linear_region(const void* x, int64_t flags, const void* w, const void* s
 }
 
 // `flags` bit 0: out is bf16 (else fp32); bit 2: scales and mins are fp32 (else fp16);
-// bit 3: out is bf16 [hi | lo] rows (`dequantize_team`); bit 4: compact (Q4_K's, Q6_K's).
+// bit 3: out is bf16 [hi | lo] rows (`dequantize_team`); bit 4: compact (Q4_K's, Q6_K's);
+// bit 6: q8's values packed in 6 bits (Q6_K's).
 void dequantize_q4_region(const void* w, const void* scales, const void* mins, void* out,
                           int64_t flags, int64_t N, int64_t K, int64_t g, int64_t threads) {
 #pragma omp parallel num_threads(threads)

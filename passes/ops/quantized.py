@@ -13,7 +13,8 @@ slice of each field, and a slice of input columns one of whole groups):
 - q8: `w` int8 [N, K], `scales` fp16 (or fp32) [N, K/g]; value = scale * q. GGUF Q8_0
   (g = 32), int8 per output channel (g = K); Q6_K (g = 16, q - 32) with its scales as
   stored (compact): int8 [N, G + G/4], per row the G int8 sub-block scales then G/16
-  fp32 super-block scales.
+  fp32 super-block scales, and its values kept in 6 bits: `w` uint8 [N, 3K/4]
+  (`pack_q6`).
 
 Ops (namespace `compilecore`): `dequantize_q4`, `dequantize_q8` (what a quantized linear
 layer traces as: `mm(x, dequantize(...)^T)`, visible in every dump), and `q4_linear`,
@@ -94,10 +95,48 @@ def dequantize_q4_ref(
     return values.reshape(*lead, 2 * half).to(dtype)
 
 
+def pack_q6(q: torch.Tensor) -> torch.Tensor:
+    """Q6_K's values q in [-32, 31], int8 [..., K] (K a multiple of 128), in 6 bits: uint8
+    [..., 3K/4]. Per chunk of 128 values (u = q + 32): 64 bytes of low nibbles in q4's
+    order (a run of 32 in 16 bytes, byte j holding value j low and j + 16 high), then 32
+    bytes of top bit pairs, byte i those of nibble bytes 2i, 2i + 1 (bits 0-1: 2i's low
+    nibble's value, 2-3: 2i + 1's low, 4-5: 2i's high, 6-7: 2i + 1's high); the kernel's
+    bf16 row product turns a chunk into bf16 values in place (quant_kernels.cpp)."""
+    lead, k = q.shape[:-1], q.shape[-1]
+    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(*lead, k // 128, 4, 2, 16)
+    low, top = u & 15, u >> 4  # [..., chunk, run, first / last 16, j]
+    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(*lead, k // 128, 32, 2)
+    first = top[..., 0, :].reshape(*lead, k // 128, 32, 2)  # nibble byte 2i + e: [i, e]
+    last = top[..., 1, :].reshape(*lead, k // 128, 32, 2)
+    pairs = first[..., 0] | (first[..., 1] << 2) | (last[..., 0] << 4) | (last[..., 1] << 6)
+    return torch.cat([nibbles.flatten(-2), pairs], -1).reshape(*lead, k // 4 * 3)
+
+
+def unpack_q6(w: torch.Tensor) -> torch.Tensor:
+    """`pack_q6`'s inverse: uint8 [..., 3K/4] -> the values, int8 [..., K]."""
+    lead, chunks = w.shape[:-1], w.shape[-1] // 96
+    c = w.reshape(*lead, chunks, 96)
+    nibbles = c[..., :64].reshape(*lead, chunks, 4, 16)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=w.device)
+    bits = (c[..., 64:].unsqueeze(-1) >> shifts) & 3  # [..., chunk, i, (2i lo, 2i+1 lo, ...)]
+    first = bits[..., :2].reshape(*lead, chunks, 4, 16)
+    last = bits[..., 2:].reshape(*lead, chunks, 4, 16)
+    u = torch.stack([(nibbles & 15) | (first << 4), (nibbles >> 4) | (last << 4)], -2)
+    return (u.to(torch.int16) - 32).to(torch.int8).reshape(*lead, chunks * 128)
+
+
+def q8_columns(w: torch.Tensor) -> int:
+    """The values a row of q8 blocks holds (Q6_K's 6-bit rows: 4 for 3 bytes)."""
+    return w.shape[-1] // 3 * 4 if w.dtype == torch.uint8 else w.shape[-1]
+
+
 def dequantize_q8_ref(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q8 blocks [..., K] -> values [..., K] in `dtype`, computed in fp32."""
+    """q8 blocks [..., K] (or Q6_K's 6-bit [..., 3K/4]) -> values [..., K] in `dtype`,
+    computed in fp32."""
     if is_compact(scales):
         scales = expand_compact(scales)
+    if w.dtype == torch.uint8:
+        w = unpack_q6(w)
     lead, k = w.shape[:-1], w.shape[-1]
     q = w.reshape(*lead, scales.shape[-1], -1)
     return (q.float() * scales.float().unsqueeze(-1)).reshape(*lead, k).to(dtype)
@@ -137,8 +176,18 @@ _SCALE_DTYPES = {True: (torch.float16, torch.float32, torch.uint8),
                  False: (torch.float16, torch.float32, torch.int8)}  # fmt: skip
 
 
-def _scale_flags(scales: torch.Tensor) -> int:
-    return 4 * int(scales.dtype == torch.float32) | 16 * int(is_compact(scales))
+def _kernel_reads(w: torch.Tensor, scales: torch.Tensor, q4: bool) -> bool:
+    """Whether the kernel reads these values: q4's uint8; q8's int8, or Q6_K's 6-bit
+    uint8 rows beside their compact scales."""
+    if q4:
+        return w.dtype == torch.uint8
+    return w.dtype == torch.int8 or (w.dtype == torch.uint8 and scales.dtype == torch.int8)
+
+
+def _scale_flags(scales: torch.Tensor, w: torch.Tensor, q4: bool) -> int:
+    """Flag bits 2 (fp32 scales), 4 (compact) and 6 (q8's values in 6 bits: Q6_K's)."""
+    six = not q4 and w.dtype == torch.uint8
+    return 4 * int(scales.dtype == torch.float32) | 16 * int(is_compact(scales)) | 64 * six
 
 
 def _dequantize_native(
@@ -148,7 +197,7 @@ def _dequantize_native(
     as the reference, ~10x faster), or None where it does not apply. `split` (bf16): rows
     [hi | lo] of 2K, hi + lo the value to 16 bits."""
     q4 = len(fields) == 2
-    k = w.shape[-1] * (2 if q4 else 1)
+    k = w.shape[-1] * 2 if q4 else q8_columns(w)
     if (
         w.dim() != 2
         or dtype not in (torch.float32, torch.bfloat16)
@@ -156,13 +205,14 @@ def _dequantize_native(
         or any(t.device.type != "cpu" or not t.is_contiguous() for t in (w, *fields))
         or any(t.dtype not in _SCALE_DTYPES[q4] for t in fields)
         or len({t.dtype for t in fields}) != 1
+        or not _kernel_reads(w, fields[0], q4)
         or (lib := _kernel()) is None
     ):
         return None
     n, groups = w.shape[0], groups_of(fields[0])
     split = split and dtype == torch.bfloat16
     out = torch.empty(n, 2 * k if split else k, dtype=dtype)
-    flags = int(dtype == torch.bfloat16) | 8 * split | _scale_flags(fields[0])
+    flags = int(dtype == torch.bfloat16) | 8 * split | _scale_flags(fields[0], w, q4)
     args = (w, *fields, out, flags, n, k, k // groups, torch.get_num_threads())
     region = lib.dequantize_q4_region if q4 else lib.dequantize_q8_region
     region(*(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args))
@@ -228,6 +278,7 @@ def _product_call(
         or (bias is not None and bias.dtype != x.dtype)
         or any(f.dtype not in _SCALE_DTYPES[bits == 4] for f in fields)
         or len({f.dtype for f in fields}) != 1
+        or not _kernel_reads(w, fields[0], bits == 4)
         or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
         or (lib := _kernel()) is None
     ):
@@ -235,7 +286,7 @@ def _product_call(
     m, k = x.shape
     n = w.shape[0]
     flags = int(x.dtype == torch.bfloat16) | 2 * int(y.dtype == torch.bfloat16)
-    flags |= _scale_flags(fields[0]) | 32 * int(bool(int8_x))
+    flags |= _scale_flags(fields[0], w, bits == 4) | 32 * int(bool(int8_x))
     args = (x, flags, w, *fields, 0 if bias is None else bias, y, m, n, k, k // groups)
     team, region = getattr(lib, f"{name}_team"), getattr(lib, f"{name}_region")
     return NativeCall(
@@ -334,7 +385,7 @@ def _fake_dequantize_q4(w, scales, mins, dtype):
 
 
 def _fake_dequantize_q8(w, scales, dtype):
-    return w.new_empty(w.shape, dtype=dtype)
+    return w.new_empty(*w.shape[:-1], q8_columns(w), dtype=dtype)
 
 
 # Through `torch.library.Library` (no Python wrapper per call; NOTES section 9).
