@@ -22,7 +22,8 @@ too. One site per linear layer: 4 per Llama layer. Runs before every pass that t
 plain products (native_linear, gemv_to_reduction, packed_linear), which would otherwise
 take the dequantized weight for an ordinary one; with it off (`native_kernels=False`),
 `decompose_dequantize` hands the pair to Inductor. With `int8_activations` (CPU default)
-the q8 products take `int8_x=True`: Q8_0's products quantize x as llama.cpp does.
+the q8 products take `int8_x=True` (Q8_0's products quantize x as llama.cpp does), and so
+do the q4 products of Q4_K's compact fields (NOTES 56).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from torch._inductor.pattern_matcher import register_replacement
 
 from passes.base import PatternPass, trace_pattern
-from passes.ops.quantized import dequantized_dtype
+from passes.ops.quantized import dequantized_dtype, is_compact
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -53,11 +54,14 @@ def _patterns(dtype: torch.dtype, int8_x: bool) -> list[tuple]:
     def addmm_q8(b, x, w, s):
         return torch.addmm(b, x, ops.dequantize_q8.default(w, s, dtype).permute(1, 0))
 
+    # q4: int8 activations for the K-quants' (compact) fields only, as llama.cpp
+    # multiplies Q4_K; Q4_0 / Q4_1 stay exact (int8 cost the shipped Q4_1 model 1.2%
+    # perplexity, NOTES 45). (The replacement is traced on each match's own inputs.)
     def q4(x, w, s, m):
-        return ops.q4_linear.default(x, w, s, m)
+        return ops.q4_linear.default(x, w, s, m, None, None, int8_x and is_compact(s))
 
     def q4_bias(b, x, w, s, m):
-        return ops.q4_linear.default(x, w, s, m, b)
+        return ops.q4_linear.default(x, w, s, m, b, None, int8_x and is_compact(s))
 
     def q8(x, w, s):
         return ops.q8_linear.default(x, w, s, None, None, int8_x)

@@ -244,6 +244,50 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     assert bool(((got - want).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("k_quant", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 7, 8])
+def test_q4_int8_activations_stay_within_their_bound(k_quant, rows):
+    """q4's `int8_x` (which the pass gives Q4_K's products): on CPUs with AVX512-BF16 and
+    AVX512-VNNI the row products (up to 7 rows; the strips from 8 stay exact) quantize each
+    run of 32 activations to int8 against max |x| / 127, which moves an output by at most
+    sum over runs of (max |x| in the run / 254) * sum |d q| over the run (the mins
+    multiply x's exact sums); a last pair of runs (K % 128 = 64) included. Elsewhere the
+    argument changes nothing."""
+    g = torch.Generator().manual_seed(rows)
+    n, k = 40, 256 if k_quant else 576
+    x = torch.randn(rows, k, generator=g)
+    x[:, 5::37] *= 1000  # outliers, as real models' activations have
+    x = x.bfloat16()
+    fields = _q4_fields(g, n, k, 32, k_quant)
+    exact = ops.q4_linear(x, *fields, None, torch.float32)
+    got = ops.q4_linear(x, *fields, None, torch.float32, True)
+    if not quantized.int8_strips() or rows >= 8:
+        assert torch.equal(got, exact)
+        return
+    values = quantized.dequantize_q4_ref(*fields, torch.float64)
+    steps = values - _values(fields[2]).double().repeat_interleave(32, 1)  # d q, no min
+    want = x.double() @ values.T
+    run_max = x.double().abs().reshape(rows, k // 32, 32).amax(-1)
+    run_w = steps.abs().reshape(n, k // 32, 32).sum(-1)
+    bound = (x.double().abs() @ values.abs().T) * 1e-5 + (run_max / 254) @ run_w.T * 1.001
+    assert not torch.equal(got, exact)
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+def test_the_pass_gives_int8_activations_to_k_quants_only():
+    """With `int8_activations` the pass's q4 products take `int8_x` where the fields are
+    Q4_K's (compact), not Q4_0 / Q4_1's, which stay exact as the shipped model's do."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    for k_quant in (True, False):
+        fn = _linear(_q4_fields(g, 48, 256, 32, k_quant), 4, torch.bfloat16)
+        backend = testing.check_pass(QuantizedLinearPass(int8_x=True), fn, x, dynamic=False,
+                                     rtol=0.05)  # fmt: skip
+        nodes = [n for n in backend.graph_after.nodes if n.target == ops.q4_linear.default]
+        assert len(nodes) == 1
+        assert (nodes[0].args[6] if len(nodes[0].args) > 6 else False) == k_quant
+
+
 @pytest.mark.parametrize("fmt", ["q8", "q6_k", "q4", "q4_k"])
 @pytest.mark.parametrize("rows", [1, 21])
 def test_products_are_the_same_whichever_thread_takes_a_row(fmt, rows):

@@ -91,8 +91,8 @@ class QuantFormat:
         """x @ values^T (+ bias) read straight from the blocks (the LM head's product,
         which runs outside compiled code); `int8_x`: q8's argument of that name."""
         ops = torch.ops.compilecore
-        if self.bits == 4:
-            return ops.q4_linear(x, *fields, bias, out_dtype)
+        if self.bits == 4:  # int8 activations for the K-quants' only (as the pass gives them)
+            return ops.q4_linear(x, *fields, bias, out_dtype, int8_x and self.compact)
         return ops.q8_linear(x, *fields, bias, out_dtype, int8_x)
 
 

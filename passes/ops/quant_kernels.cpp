@@ -2,8 +2,9 @@
 // y [M, N] = x [M, K] @ dequantize(w)^T (+ bias); `flags` bit 0: x and bias are bf16 (else
 // fp32), bit 1: y is bf16 (else fp32), bit 2: scales and mins are fp32 (else fp16), bit 4:
 // they are stored compact, as Q4_K's (q4) or Q6_K's (q8) super-blocks hold them
-// (`CompactScales` below), bit 5: Q8_0's strips may quantize x to int8 (`Strip8`), bit 6:
-// q8's values are Q6_K's, packed in 6 bits (`unpack_q6_row`).
+// (`CompactScales` below), bit 5: x may be quantized to int8 (Q8_0's products: `Strip8`,
+// q4's row products: `row_product_q4_int8`), bit 6: q8's values are Q6_K's, packed in 6
+// bits (`unpack_q6_row`).
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
@@ -792,6 +793,74 @@ inline void quantize_row_u8(const bf16* x, int64_t K, uint8_t* q, float* scale) 
   }
 }
 
+// q4 with int8 activations (the K-quants' products where `int8_x` allows it, as
+// llama.cpp multiplies Q4_K by Q8_K): x quantized per run of 32 as above, laid out per
+// chunk of 4 runs as the nibbles unpack, the runs' first 16 values (low nibbles), then
+// their last 16 (high); a last pair of runs (K % 128 == 64) padded with zeros to a chunk.
+// `vpdpbusd` multiplies the nibbles as they are (unsigned bytes) by x's: two instructions
+// and two masks a chunk where the exact path widens four vectors to bf16 (1.66x from
+// cache, 1.45x from memory: NOTES 56).
+struct Int8Chunks {
+  int8_t* q;     // [K rounded up to 128]
+  float* scale;  // [K/32]: the run's activation scale
+  float* sum;    // [K/32]: the run's sum of x (fp32, for the mins)
+};
+
+inline int64_t chunked(int64_t K) { return (K + 127) / 128 * 128; }
+
+inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r) {
+  std::memset(r.q + K / 128 * 128, 0, chunked(K) - K / 128 * 128);
+  for (int64_t run = 0; run < K / 32; ++run) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h)
+      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x + run * 32 + h * 16))), 16));
+    alignas(32) int8_t q[32];
+    r.scale[run] = quantize_run(v[0], v[1], _mm_setzero_si128(), q);
+    r.sum[run] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    int8_t* chunk = r.q + run / 4 * 128 + run % 4 * 16;
+    std::memcpy(chunk, q, 16);
+    std::memcpy(chunk + 64, q + 16, 16);
+  }
+}
+
+template <int MB, typename SP>
+inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t* w, SP s,
+                                SP mn, int shift, float* out) {
+  __m512 acc[MB_MAX], mins[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t runs = K / 32;
+  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
+    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
+    const __mmask16 live = __mmask16((1u << n) - 1);
+    const __m512 d = run_scales(s, r0, n, shift), m_run = run_scales(mn, r0, n, shift);
+    __m512 comb[MB_MAX];  // d x the run's activation scale (0 past the row's runs)
+    for (int m = 0; m < MB; ++m) {
+      comb[m] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, rows[m].scale + r0));
+      mins[m] = _mm512_fmadd_ps(m_run, _mm512_maskz_loadu_ps(live, rows[m].sum + r0), mins[m]);
+    }
+    for (int64_t p = 0; p < n; p += 4) {  // lanes 4i .. 4i + 3: run p + i
+      const int64_t k = (r0 + p) * 32;
+      prefetch_weights(w + k / 2);
+      const __mmask64 bytes = n - p >= 4 ? ~0ull : (1ull << ((n - p) * 16)) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi8(bytes, w + k / 2);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(int(p)), quarter);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xq = rows[m].q + k;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xq + 64));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(at, comb[m]),
+                                 acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
+}
+
 // out[m][0..15] = x[m] . the strip's rows for MB quantized rows of x.
 template <int MB>
 inline void strip_rows_int8(const uint8_t* xq, const float* sx, int64_t K, Strip8 st,
@@ -908,7 +977,6 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // them in place, with x reordered and summed per 16 as q4's; other paths unpack a row
   // (or a strip's 16) to int8 first.
   const bool six = !Q4 && Compact && (flags & 64);
-  const bool x_chunks = (Q4 || six) && path == Path::bf16;
   const int64_t row_bytes = Q4 ? K / 2 : six ? K / 4 * 3 : K;
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
@@ -920,8 +988,13 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // memory is: NOTES 55); the exact row product between.
   const bool int8_x = !Q4 && g == 32 && (flags & 32) && path == Path::bf16;
   const bool int8_strips = CC_INT8_STRIPS && strips && int8_x;
+  // q4 with int8 activations where the caller allows it (the K-quants' products), for the
+  // rows below the strips: `row_product_q4_int8`.
+  const bool int8_q4 = Q4 && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
+  const bool x_chunks = (Q4 || six) && path == Path::bf16 && !int8_q4;
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8) path = Path::int8;
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
+                          : int8_q4 ? (K + 127) / 128 * 32 + 2 * (K / 32)  // Int8Chunks
                           : x_chunks ? K / 2 + K / 16
                           : int8_strips ? K / 4 + K / 32 : 0;
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
@@ -961,6 +1034,16 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       if (!strips || N % TILE_N) reorder_chunks(xm, K, reinterpret_cast<bf16*>(base));
       run_sums(xm, K, base + K / 2, Q4 ? 32 : 16);
     }
+#endif
+#if CC_INT8_STRIPS
+  auto int8_chunks = [&](int64_t m) {
+    float* base = extra + m * per_row;
+    float* scale = base + (K + 127) / 128 * 32;
+    return Int8Chunks{reinterpret_cast<int8_t*>(base), scale, scale + K / 32};
+  };
+  if (int8_q4)
+    for (int64_t m = 0; m < M; ++m)
+      quantize_chunks(static_cast<const bf16*>(x) + m * K, K, int8_chunks(m));
 #endif
   int64_t tiled = 0;  // rows [0, tiled) of w go by strips
 #if CC_INT8_STRIPS
@@ -1109,6 +1192,21 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           continue;
         }
       }
+#if CC_INT8_STRIPS
+      if constexpr (Q4) {
+        if (int8_q4) {
+          Int8Chunks rm[MB_MAX];
+          for (int64_t m = 0; m < mb; ++m) rm[m] = int8_chunks(m0 + m);
+          const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
+          if (mb == 4) row_product_q4_int8<4>(rm, K, wq, sp, mp, shift, out);
+          else if (mb == 3) row_product_q4_int8<3>(rm, K, wq, sp, mp, shift, out);
+          else if (mb == 2) row_product_q4_int8<2>(rm, K, wq, sp, mp, shift, out);
+          else row_product_q4_int8<1>(rm, K, wq, sp, mp, shift, out);
+          store(y, flags, bias, N, n, m0, mb, out);
+          continue;
+        }
+      }
+#endif
       if constexpr (Q4) {
         if (path == Path::bf16) {
           Bf16Row rm[MB_MAX];

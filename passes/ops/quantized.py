@@ -296,8 +296,8 @@ def _product_call(
 
 
 def _q4_call(args: tuple, out: torch.Tensor) -> NativeCall | None:
-    x, w, scales, mins, bias = (*args, None)[:5]
-    return _product_call("q4_linear", x, w, (scales, mins), bias, out)
+    x, w, scales, mins, bias, _, int8_x = (*args, None, None, False)[:7]
+    return _product_call("q4_linear", x, w, (scales, mins), bias, out, int8_x)
 
 
 def _q8_call(args: tuple, out: torch.Tensor) -> NativeCall | None:
@@ -311,8 +311,9 @@ def _product_ref(x, weight, bias, out_dtype):
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(out_dtype)
 
 
-def q4_linear_ref(x, w, scales, mins, bias=None, out_dtype=None):
-    """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias), in `out_dtype` (x's)."""
+def q4_linear_ref(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
+    """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias), in `out_dtype` (x's);
+    exact (`int8_x` allows the kernel an approximation; never the reference)."""
     dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
     return _product_ref(x, dequantize_q4_ref(w, scales, mins, dtype), bias, out_dtype)
 
@@ -323,9 +324,13 @@ def q8_linear_ref(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     return _product_ref(x, dequantize_q8_ref(w, scales, dtype), bias, out_dtype)
 
 
-def q4_linear(x, w, scales, mins, bias=None, out_dtype=None):
+def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
+    """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias). `int8_x`: with bf16 x, on
+    CPUs with AVX512-BF16 and AVX512-VNNI, the row products (below the strips' 8 rows) may
+    quantize x to int8 per run of 32, as llama.cpp multiplies its K-quants (the pass asks
+    for it for Q4_K's: NOTES 56), within the same bound as Q8_0's (tests/test_quantized.py)."""
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
-    call = _q4_call((x, w, scales, mins, bias), y)
+    call = _q4_call((x, w, scales, mins, bias, out_dtype, int8_x), y)
     if call is None:  # many rows (a prefill): one dense copy, then the dense product
         dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
         return _product_ref(x, dequantize_q4(w, scales, mins, dtype), bias, out_dtype)
@@ -360,7 +365,7 @@ def q8_dense_product(x, w, scales, bias=None, out_dtype=None):
     return _product_ref(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
 
 
-def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None):
+def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
     from passes.ops.triton_quant import quant_linear_triton
 
     return quant_linear_triton(x, w, (scales, mins), bias, out_dtype)
@@ -372,7 +377,7 @@ def q8_linear_cuda(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     return quant_linear_triton(x, w, (scales,), bias, out_dtype)
 
 
-def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None):
+def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
 
 
@@ -394,7 +399,7 @@ _LIB.define("dequantize_q4(Tensor w, Tensor scales, Tensor mins, ScalarType dtyp
 _LIB.define("dequantize_q8(Tensor w, Tensor scales, ScalarType dtype) -> Tensor")
 _LIB.define(
     "q4_linear(Tensor x, Tensor w, Tensor scales, Tensor mins, Tensor? bias=None, "
-    "ScalarType? out_dtype=None) -> Tensor"
+    "ScalarType? out_dtype=None, bool int8_x=False) -> Tensor"
 )
 _LIB.define(
     "q8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias=None, "
