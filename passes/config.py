@@ -60,8 +60,9 @@ class PassConfig:
     quantized_linear: bool | None = None
     # Q8_0's products quantize the activations to int8 per run of 32, as llama.cpp does for
     # its own: 1.5x the exact bf16 products over 6 rows and more (NOTES 52), 1.01-1.22x at
-    # 1-2 rows (NOTES 55; 3-5 stay exact), on AVX512-VNNI; so do Q4_K's row products
-    # (1-7 rows: 1.45x raw, NOTES 56). False: every product exact. CPU only.
+    # 1-2 rows (NOTES 55; 3-5 stay exact), on AVX512-VNNI; so do the K-quants' row
+    # products (Q4_K 1-7 rows, 1.45x raw; Q6_K 1-5: NOTES 56). False: every product exact.
+    # CPU only.
     int8_activations: bool = True
     # Dequantization ops left as the reference's plain ops, for Inductor to fuse.
     decompose_dequantize: bool | None = None

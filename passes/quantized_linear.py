@@ -22,8 +22,8 @@ too. One site per linear layer: 4 per Llama layer. Runs before every pass that t
 plain products (native_linear, gemv_to_reduction, packed_linear), which would otherwise
 take the dequantized weight for an ordinary one; with it off (`native_kernels=False`),
 `decompose_dequantize` hands the pair to Inductor. With `int8_activations` (CPU default)
-the q8 products take `int8_x=True` (Q8_0's products quantize x as llama.cpp does), and so
-do the q4 products of Q4_K's compact fields (NOTES 56).
+the q8 products take `int8_x=True` (Q8_0's and Q6_K's products quantize x as llama.cpp
+does), and so do the q4 products of Q4_K's compact fields (NOTES 56).
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     bits, or one int8 each) and int8's whole row; q4 groups of 32 and of 128 (int4_g128).
     `int8_x` (q8's argument): Q8_0's strips (6 rows and more, 16 weight rows) quantize
     activations the same way on CPUs with both AVX512-BF16 and AVX512-VNNI, and so do its
-    row products for 1-2 rows, under the same bound."""
+    row products for 1-2 rows and Q6_K's (6 bits) for 1-5, under the same bound."""
     g = torch.Generator().manual_seed(seed)
     whole = 256 * max(1, runs // 4)  # the K-quants' super-blocks
     k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole}.get(fmt, 32 * runs)
@@ -189,7 +189,8 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     sums = xd.abs() @ w.abs().T  # what fp32 sums can lose, relative
     bound = sums * 1e-5 + 1e-6
     path = quantized.kernel_path()
-    int8_x = int8_x and fmt == "q8" and quantized.int8_strips()  # (an upper bound for 3-5)
+    # (an upper bound for Q8_0's 3-5 rows; Q6_K's 6 rows and more take the exact strips)
+    int8_x = int8_x and quantized.int8_strips() and (fmt == "q8" or fmt == "q6_k" and rows < 6)
     if (path == "int8" and fmt in ("q4", "q4_k", "q8")) or int8_x:  # else fp32 or bf16
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
         run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
@@ -244,34 +245,49 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     assert bool(((got - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("k_quant", [True, False])
-@pytest.mark.parametrize("rows", [1, 3, 7, 8])
-def test_q4_int8_activations_stay_within_their_bound(k_quant, rows):
-    """q4's `int8_x` (which the pass gives Q4_K's products): on CPUs with AVX512-BF16 and
-    AVX512-VNNI the row products (up to 7 rows; the strips from 8 stay exact) quantize each
-    run of 32 activations to int8 against max |x| / 127, which moves an output by at most
-    sum over runs of (max |x| in the run / 254) * sum |d q| over the run (the mins
-    multiply x's exact sums); a last pair of runs (K % 128 = 64) included. Elsewhere the
-    argument changes nothing."""
+@pytest.mark.parametrize("fmt", ["q4_k", "q4", "q6_k"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 7, 8])
+def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
+    """`int8_x` on q4 (which the pass gives Q4_K's products) and on Q6_K's 6-bit values:
+    on CPUs with AVX512-BF16 and AVX512-VNNI the row products (below the strips: 8 rows
+    for q4, 6 for q8) quantize each run of 32 activations to int8 against max |x| / 127,
+    which moves an output by at most sum over runs of (max |x| in the run / 254) * sum
+    |d q| over the run (q4's mins and Q6_K's offset multiply x's exact sums); a last pair
+    of runs (K % 128 = 64) included. Elsewhere the argument changes nothing."""
     g = torch.Generator().manual_seed(rows)
-    n, k = 40, 256 if k_quant else 576
+    n, k = 40, 576 if fmt == "q4" else 512
     x = torch.randn(rows, k, generator=g)
     x[:, 5::37] *= 1000  # outliers, as real models' activations have
     x = x.bfloat16()
-    fields = _q4_fields(g, n, k, 32, k_quant)
-    exact = ops.q4_linear(x, *fields, None, torch.float32)
-    got = ops.q4_linear(x, *fields, None, torch.float32, True)
-    if not quantized.int8_strips() or rows >= 8:
+    if fmt == "q6_k":
+        fields = _q8_fields(g, n, k, 16, True)
+        product = functools.partial(ops.q8_linear, x, *fields, None, torch.float32)
+        values = steps = quantized.dequantize_q8_ref(*fields, torch.float64)
+    else:
+        fields = _q4_fields(g, n, k, 32, fmt == "q4_k")
+        product = functools.partial(ops.q4_linear, x, *fields, None, torch.float32)
+        values = quantized.dequantize_q4_ref(*fields, torch.float64)
+        steps = values - _values(fields[2]).double().repeat_interleave(32, 1)  # d q, no min
+    exact, got = product(), product(True)
+    if not quantized.int8_strips() or rows >= (6 if fmt == "q6_k" else 8):
         assert torch.equal(got, exact)
         return
-    values = quantized.dequantize_q4_ref(*fields, torch.float64)
-    steps = values - _values(fields[2]).double().repeat_interleave(32, 1)  # d q, no min
     want = x.double() @ values.T
     run_max = x.double().abs().reshape(rows, k // 32, 32).amax(-1)
     run_w = steps.abs().reshape(n, k // 32, 32).sum(-1)
     bound = (x.double().abs() @ values.abs().T) * 1e-5 + (run_max / 254) @ run_w.T * 1.001
+    if fmt == "q6_k":  # the +32 offset's fp32 terms, as the bf16 path's +160
+        group_abs = x.double().abs().reshape(rows, k // 16, 16).sum(-1)
+        bound = bound + group_abs @ _values(fields[1]).double().abs().T * 96 * 2**-20
     assert not torch.equal(got, exact)
     assert bool(((got.double() - want).abs() <= bound).all())
+    # x already int8-exact (integers, 127 in every run): the same product as the exact one
+    xi = torch.randint(-127, 128, (rows, k), generator=g).float()
+    xi[:, ::32] = 127
+    product = functools.partial(product.func, xi.bfloat16(), *product.args[1:])
+    exact, got = product(), product(True)
+    sums = xi.double().abs() @ values.abs().T
+    assert bool(((got.double() - exact.double()).abs() <= sums * 1e-6 + 1e-6).all())
 
 
 def test_the_pass_gives_int8_activations_to_k_quants_only():

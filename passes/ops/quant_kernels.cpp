@@ -163,20 +163,20 @@ inline int runs_shift(int64_t g) {
 }
 
 // Q6_K's 6-bit rows (passes/ops/quantized.py `pack_q6` writes them): per chunk of 128
-// values, 64 bytes of low nibbles in q4's order (a run of 32 in 16 bytes, byte j holding
-// value j low and j + 16 high), then 32 bytes of the values' top two bits, byte i holding
-// those of nibble bytes 2i and 2i + 1 (bits 0-1: 2i's low nibble's value, 2-3: 2i + 1's
-// low, 4-5: 2i's high, 6-7: 2i + 1's high). A value is u - 32 (Q6_K's own offset). The
-// bf16 row product reads chunks in place (`row_product_q6_bf16`); the other paths read
-// rows unpacked to int8 by this.
+// values, 64 bytes of low nibbles in q4's order (nibble byte b = 16r + j: run r's value j
+// low, j + 16 high), then 32 bytes of the values' top two bits, top byte b % 32 holding
+// nibble byte b's low value's in bits 0-1 (b < 32) or 2-3 (b >= 32) and its high value's
+// in bits 4-5 or 6-7. A value is u - 32 (Q6_K's own offset). The row products read chunks
+// in place (`row_product_q6_bf16`, `row_product_q6_int8`); the other paths read rows
+// unpacked to int8 by this.
 inline void unpack_q6_row(const uint8_t* w, int64_t K, int8_t* out) {
   for (int64_t c = 0; c < K / 128; ++c) {
     const uint8_t *nib = w + c * 96, *top = nib + 64;
     int8_t* o = out + c * 128;
     for (int b = 0; b < 64; ++b) {
-      const int e = 2 * (b % 2), at = b / 16 * 32 + b % 16;
-      o[at] = int8_t(((nib[b] & 15) | ((top[b / 2] >> e & 3) << 4)) - 32);
-      o[at + 16] = int8_t(((nib[b] >> 4) | ((top[b / 2] >> (4 + e) & 3) << 4)) - 32);
+      const int e = 2 * (b / 32), at = b / 16 * 32 + b % 16;
+      o[at] = int8_t(((nib[b] & 15) | ((top[b % 32] >> e & 3) << 4)) - 32);
+      o[at + 16] = int8_t(((nib[b] >> 4) | ((top[b % 32] >> (4 + e) & 3) << 4)) - 32);
     }
   }
 }
@@ -503,6 +503,15 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
   }
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
 }
+// A chunk's 32 top bytes in both halves of a vector (`unpack_q6_row` has the layout).
+inline __m512i top_bits(const uint8_t* chunk) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64)));
+}
+// 16-bit shift counts: `lo` for the vector's first half, `hi` for its second.
+inline __m512i by_half(int lo, int hi) {
+  return _mm512_inserti64x4(_mm512_set1_epi16(short(lo)), _mm256_set1_epi16(short(hi)), 1);
+}
+
 // Q6_K's packed values on the same path (`unpack_q6_row` has the layout): a chunk's
 // nibbles and top bits make each u the bf16 128 + u in place (u < 64), and the 160 the
 // value q = u - 32 lacks comes off per group of 16 through x's sums of 16:
@@ -529,19 +538,22 @@ inline void row_product_q6_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
       prefetch_weights(chunk);
       prefetch_weights(chunk + 64);
       const __m512i v = _mm512_loadu_si512(chunk);
-      const __m512i h = _mm512_cvtepu8_epi16(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64)));
-      // (nibble & 15) | exponent, then | (top bits & 0x30): truth tables 0xea, 0xf8
+      const __m512i h = top_bits(chunk);  // word i: top bytes 2i % 32, 2i % 32 + 1
+      // (nibble & 15) | exponent, then | (its top bits & 0x30): truth tables 0xea, 0xf8;
+      // words 0-15 (nibble bytes 0-31) take bit pairs 0-1 / 4-5 of their top bytes, words
+      // 16-31 pairs 2-3 / 6-7, so each part's shift differs by half.
       const __m512i a = _mm512_ternarylogic_epi32(
-          _mm512_ternarylogic_epi32(low, v, exponent, 0xea), _mm512_slli_epi16(h, 4), top, 0xf8);
+          _mm512_ternarylogic_epi32(low, v, exponent, 0xea),
+          _mm512_sllv_epi16(h, by_half(4, 2)), top, 0xf8);
       const __m512i b = _mm512_ternarylogic_epi32(
           _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 8), exponent, 0xea),
-          _mm512_slli_epi16(h, 2), top, 0xf8);
+          _mm512_srlv_epi16(h, by_half(4, 6)), top, 0xf8);
       const __m512i cc = _mm512_ternarylogic_epi32(
-          _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 4), exponent, 0xea), h, top, 0xf8);
+          _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 4), exponent, 0xea),
+          _mm512_srlv_epi16(h, by_half(0, 2)), top, 0xf8);
       const __m512i dd = _mm512_ternarylogic_epi32(
-          _mm512_or_si512(_mm512_srli_epi16(v, 12), exponent), _mm512_srli_epi16(h, 2), top,
-          0xf8);
+          _mm512_or_si512(_mm512_srli_epi16(v, 12), exponent),
+          _mm512_srlv_epi16(h, by_half(8, 10)), top, 0xf8);
       const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(8 * c), even);
       const __m512 d_even = _mm512_permutexvar_ps(at, d);
       const __m512 d_odd = _mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(1)), d);
@@ -861,6 +873,63 @@ inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
 }
 
+// Q6_K's packed values on int8 activations (x as for q4's: `Int8Chunks`, plus its sums
+// per 16 in `sum`): each u (0-63) as an unsigned byte beside x's, its nibble or'ed with its
+// top bits shifted by half (9 ops a chunk where the bf16 path takes 14 to widen), and
+//   sum_j d q_j x_j ~ d dx sum_j u_j xq_j - 32 d sum_j x_j
+// per group of 16 (the 32 through x's exact sums). A chunk's low nibbles are its runs'
+// first 16 values (even groups), its high ones their last 16 (odd groups).
+template <int MB>
+inline void row_product_q6_int8(const Int8Chunks* rows, int64_t K, const uint8_t* w,
+                                CompactPtr<false> s, float* out) {
+  __m512 acc[MB_MAX], odd[MB_MAX], offset[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = odd[m] = offset[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i shift_lo = by_half(4, 2), shift_hi = by_half(0, 2);
+  for (int64_t g0 = 0; g0 < K / 16; g0 += 16) {  // a super-block: 16 groups, 8 runs, 2 chunks
+    const __m512 d = scales16(s + g0, 0xffff);
+    const __m512 d_even = _mm512_permutexvar_ps(evens, d);  // lanes 0-7: run r's groups 2r
+    const __m512 d_odd =
+        _mm512_permutexvar_ps(_mm512_add_epi32(evens, _mm512_set1_epi32(1)), d);
+    __m512 even_x[MB_MAX], odd_x[MB_MAX];  // x d for run r, lanes 0-7
+    for (int m = 0; m < MB; ++m) {
+      const __m512 dx = _mm512_maskz_loadu_ps(0xff, rows[m].scale + g0 / 2);
+      even_x[m] = _mm512_mul_ps(d_even, dx);
+      odd_x[m] = _mm512_mul_ps(d_odd, dx);
+      offset[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(-32.f)),
+                                  _mm512_loadu_ps(rows[m].sum + g0), offset[m]);
+    }
+    for (int c = 0; c < 2; ++c) {
+      const int64_t k = g0 * 16 + c * 128;
+      const uint8_t* chunk = w + k / 128 * 96;
+      prefetch_weights(chunk);
+      prefetch_weights(chunk + 64);
+      const __m512i v = _mm512_loadu_si512(chunk), h = top_bits(chunk);
+      const __m512i u_lo = _mm512_ternarylogic_epi32(
+          v, low, _mm512_and_si512(_mm512_sllv_epi16(h, shift_lo), top), 0xea);
+      const __m512i u_hi = _mm512_ternarylogic_epi32(
+          _mm512_srli_epi16(v, 4), low, _mm512_and_si512(_mm512_srlv_epi16(h, shift_hi), top),
+          0xea);
+      const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(4 * c), quarter);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xq = rows[m].q + k;
+        const __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_lo,
+                                               _mm512_loadu_si512(xq));
+        const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_hi,
+                                               _mm512_loadu_si512(xq + 64));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_permutexvar_ps(at, even_x[m]),
+                                 acc[m]);
+        odd[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_permutexvar_ps(at, odd_x[m]),
+                                 odd[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m], odd[m]), offset[m]));
+}
+
 // out[m][0..15] = x[m] . the strip's rows for MB quantized rows of x.
 template <int MB>
 inline void strip_rows_int8(const uint8_t* xq, const float* sx, int64_t K, Strip8 st,
@@ -991,10 +1060,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // q4 with int8 activations where the caller allows it (the K-quants' products), for the
   // rows below the strips: `row_product_q4_int8`.
   const bool int8_q4 = Q4 && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
-  const bool x_chunks = (Q4 || six) && path == Path::bf16 && !int8_q4;
+  // Q6_K's too (`row_product_q6_int8`): x as q4's, with sums per 16 where q4 has per 32.
+  const bool int8_six = six && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
+  const bool x_chunks = (Q4 || six) && path == Path::bf16 && !int8_q4 && !int8_six;
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8) path = Path::int8;
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
-                          : int8_q4 ? (K + 127) / 128 * 32 + 2 * (K / 32)  // Int8Chunks
+                          : int8_q4 || int8_six ? (K + 127) / 128 * 32 + K / 32 + K / 16
                           : x_chunks ? K / 2 + K / 16
                           : int8_strips ? K / 4 + K / 32 : 0;
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
@@ -1036,14 +1107,17 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     }
 #endif
 #if CC_INT8_STRIPS
-  auto int8_chunks = [&](int64_t m) {
+  auto int8_chunks = [&](int64_t m) {  // Int8Chunks: q, scale per 32, sum per 32 (or 16)
     float* base = extra + m * per_row;
     float* scale = base + (K + 127) / 128 * 32;
     return Int8Chunks{reinterpret_cast<int8_t*>(base), scale, scale + K / 32};
   };
-  if (int8_q4)
-    for (int64_t m = 0; m < M; ++m)
-      quantize_chunks(static_cast<const bf16*>(x) + m * K, K, int8_chunks(m));
+  if (int8_q4 || int8_six)
+    for (int64_t m = 0; m < M; ++m) {
+      const bf16* xm = static_cast<const bf16*>(x) + m * K;
+      quantize_chunks(xm, K, int8_chunks(m));
+      if (int8_six) run_sums(xm, K, int8_chunks(m).sum, 16);  // Q6_K's groups of 16
+    }
 #endif
   int64_t tiled = 0;  // rows [0, tiled) of w go by strips
 #if CC_INT8_STRIPS
@@ -1167,6 +1241,21 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
       const float* xm = xf + m0 * x_floats;
 #if CC_BF16_PATH
+#if CC_INT8_STRIPS
+      if constexpr (!Q4 && Compact) {
+        if (int8_six) {
+          Int8Chunks rm[MB_MAX];
+          for (int64_t m = 0; m < mb; ++m) rm[m] = int8_chunks(m0 + m);
+          const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
+          if (mb == 4) row_product_q6_int8<4>(rm, K, wq, sp, out);
+          else if (mb == 3) row_product_q6_int8<3>(rm, K, wq, sp, out);
+          else if (mb == 2) row_product_q6_int8<2>(rm, K, wq, sp, out);
+          else row_product_q6_int8<1>(rm, K, wq, sp, out);
+          store(y, flags, bias, N, n, m0, mb, out);
+          continue;
+        }
+      }
+#endif
       if constexpr (!Q4 && Compact) {
         if (six && path == Path::bf16) {
           Bf16Row rm[MB_MAX];

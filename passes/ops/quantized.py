@@ -97,30 +97,34 @@ def dequantize_q4_ref(
 
 def pack_q6(q: torch.Tensor) -> torch.Tensor:
     """Q6_K's values q in [-32, 31], int8 [..., K] (K a multiple of 128), in 6 bits: uint8
-    [..., 3K/4]. Per chunk of 128 values (u = q + 32): 64 bytes of low nibbles in q4's
-    order (a run of 32 in 16 bytes, byte j holding value j low and j + 16 high), then 32
-    bytes of top bit pairs, byte i those of nibble bytes 2i, 2i + 1 (bits 0-1: 2i's low
-    nibble's value, 2-3: 2i + 1's low, 4-5: 2i's high, 6-7: 2i + 1's high); the kernel's
-    bf16 row product turns a chunk into bf16 values in place (quant_kernels.cpp)."""
+    [..., 3K/4]. Per chunk of 128 values (4 runs of 32; u = q + 32): 64 bytes of low
+    nibbles in q4's order (run r's byte j: value j low, value j + 16 high), then 32 bytes of
+    top bit pairs, byte 16h + j holding those of runs h and 2 + h at position j (bits 0-1,
+    2-3) and j + 16 (bits 4-5, 6-7). So a run's first 16 values' tops (a run's last 16's)
+    sit in bits 0-3 (4-7) of the 32 bytes in the order their nibbles sit in the chunk's
+    64, halves apart: two shifts by lane half and a mask put each value's top bits beside
+    its nibble (quant_kernels.cpp, `row_product_q6_*`)."""
     lead, k = q.shape[:-1], q.shape[-1]
-    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(*lead, k // 128, 4, 2, 16)
-    low, top = u & 15, u >> 4  # [..., chunk, run, first / last 16, j]
-    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(*lead, k // 128, 32, 2)
-    first = top[..., 0, :].reshape(*lead, k // 128, 32, 2)  # nibble byte 2i + e: [i, e]
-    last = top[..., 1, :].reshape(*lead, k // 128, 32, 2)
-    pairs = first[..., 0] | (first[..., 1] << 2) | (last[..., 0] << 4) | (last[..., 1] << 6)
-    return torch.cat([nibbles.flatten(-2), pairs], -1).reshape(*lead, k // 4 * 3)
+    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(*lead, k // 128, 2, 2, 2, 16)
+    # [..., chunk, r // 2, r % 2, first / last 16, j]: run r = 2 (r // 2) + r % 2
+    low, top = u & 15, u >> 4
+    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(*lead, k // 128, 64)
+    first, last = top[..., 0, :], top[..., 1, :]  # [..., chunk, r // 2, r % 2, j]
+    pairs = first[..., 0, :, :] | (first[..., 1, :, :] << 2) | (last[..., 0, :, :] << 4)
+    pairs = pairs | (last[..., 1, :, :] << 6)  # [..., chunk, h, j]: byte 16h + j
+    return torch.cat([nibbles, pairs.reshape(*lead, k // 128, 32)], -1).reshape(*lead, k // 4 * 3)
 
 
 def unpack_q6(w: torch.Tensor) -> torch.Tensor:
     """`pack_q6`'s inverse: uint8 [..., 3K/4] -> the values, int8 [..., K]."""
     lead, chunks = w.shape[:-1], w.shape[-1] // 96
     c = w.reshape(*lead, chunks, 96)
-    nibbles = c[..., :64].reshape(*lead, chunks, 4, 16)
+    nibbles = c[..., :64].reshape(*lead, chunks, 2, 2, 16)  # [..., r // 2, r % 2, j]
     shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=w.device)
-    bits = (c[..., 64:].unsqueeze(-1) >> shifts) & 3  # [..., chunk, i, (2i lo, 2i+1 lo, ...)]
-    first = bits[..., :2].reshape(*lead, chunks, 4, 16)
-    last = bits[..., 2:].reshape(*lead, chunks, 4, 16)
+    bits = (c[..., 64:].reshape(*lead, chunks, 2, 16).unsqueeze(-1) >> shifts) & 3
+    # bits [..., h, j, (first of run h, first of 2 + h, last of h, last of 2 + h)]
+    first = bits[..., :2].permute(*range(len(lead)), -4, -1, -3, -2)  # [.., r//2, h, j]
+    last = bits[..., 2:].permute(*range(len(lead)), -4, -1, -3, -2)
     u = torch.stack([(nibbles & 15) | (first << 4), (nibbles >> 4) | (last << 4)], -2)
     return (u.to(torch.int16) - 32).to(torch.int8).reshape(*lead, chunks * 128)
 
@@ -345,7 +349,7 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     products for 1-2 rows 1.01-1.22x (NOTES 55), within ~1% of the largest output
     (tests/test_quantized.py bounds it); 3-5 rows (where the integer row product was
     slower) and the rows past a whole number of strips (a strip: 16 weight rows) stay
-    exact."""
+    exact. Q6_K's 6-bit values take it in their row products (1-5 rows: NOTES 56)."""
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q8_call((x, w, scales, bias, out_dtype, int8_x), y)
     if call is None:
