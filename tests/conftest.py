@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import os
 
 # Without a GPU, Triton kernels are tested in the interpreter. Set before torch is imported:
@@ -64,3 +67,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_module(request):
+    """After each test file: collect what its tests left (engines, compiled code) and hand
+    the freed heap back to the OS (glibc keeps it otherwise), so that a worker's resident
+    size does not carry one heavy file's peak into the next while the other worker runs
+    its own (the suite's limit is 6 GB on two workers). With COMPILECORE_TEST_RSS_LOG set,
+    each file's resident size before and after goes to that file, to find the heavy ones."""
+    yield
+    before = _rss_mb()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    log = os.environ.get("COMPILECORE_TEST_RSS_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{request.module.__name__} {before} {_rss_mb()}\n")
+
+
+def _rss_mb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
