@@ -34,7 +34,7 @@ import torch
 from torch._inductor.pattern_matcher import register_replacement
 
 from passes.base import PatternPass, trace_pattern
-from passes.ops.quantized import dequantized_dtype, is_compact
+from passes.ops.quantized import dequantized_dtype, q4_int8_x
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -54,14 +54,12 @@ def _patterns(dtype: torch.dtype, int8_x: bool) -> list[tuple]:
     def addmm_q8(b, x, w, s):
         return torch.addmm(b, x, ops.dequantize_q8.default(w, s, dtype).permute(1, 0))
 
-    # q4: int8 activations for the K-quants' (compact) fields only, as llama.cpp
-    # multiplies Q4_K; Q4_0 / Q4_1 stay exact (int8 cost the shipped Q4_1 model 1.2%
-    # perplexity, NOTES 45). (The replacement is traced on each match's own inputs.)
+    # q4: `q4_int8_x` decides per match (the replacement is traced on its own inputs)
     def q4(x, w, s, m):
-        return ops.q4_linear.default(x, w, s, m, None, None, int8_x and is_compact(s))
+        return ops.q4_linear.default(x, w, s, m, None, None, q4_int8_x(s, int8_x))
 
     def q4_bias(b, x, w, s, m):
-        return ops.q4_linear.default(x, w, s, m, b, None, int8_x and is_compact(s))
+        return ops.q4_linear.default(x, w, s, m, b, None, q4_int8_x(s, int8_x))
 
     def q8(x, w, s):
         return ops.q8_linear.default(x, w, s, None, None, int8_x)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from passes.ops import quantized  # noqa: F401 - registers the dequantize ops
-from passes.ops.quantized import GROUPS_PER_SUPER
+from passes.ops.quantized import GROUPS_PER_SUPER, q4_int8_x
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,8 @@ class QuantFormat:
         """x @ values^T (+ bias) read straight from the blocks (the LM head's product,
         which runs outside compiled code); `int8_x`: q8's argument of that name."""
         ops = torch.ops.compilecore
-        if self.bits == 4:  # int8 activations for the K-quants' only (as the pass gives them)
-            return ops.q4_linear(x, *fields, bias, out_dtype, int8_x and self.compact)
+        if self.bits == 4:  # as the pass gives them (`q4_int8_x`)
+            return ops.q4_linear(x, *fields, bias, out_dtype, q4_int8_x(fields[1], int8_x))
         return ops.q8_linear(x, *fields, bias, out_dtype, int8_x)
 
 

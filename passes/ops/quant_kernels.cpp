@@ -815,12 +815,12 @@ inline void quantize_row_u8(const bf16* x, int64_t K, uint8_t* q, float* scale) 
 struct Int8Chunks {
   int8_t* q;     // [K rounded up to 128]
   float* scale;  // [K/32]: the run's activation scale
-  float* sum;    // [K/32]: the run's sum of x (fp32, for the mins)
+  float* sum;    // [K/32]: the run's sum of x (fp32, for the mins); Q6_K's: [K/16], per 16
 };
 
 inline int64_t chunked(int64_t K) { return (K + 127) / 128 * 128; }
 
-inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r) {
+inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of_16) {
   std::memset(r.q + K / 128 * 128, 0, chunked(K) - K / 128 * 128);
   for (int64_t run = 0; run < K / 32; ++run) {
     __m512 v[2];
@@ -829,7 +829,12 @@ inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r) {
           reinterpret_cast<const __m256i*>(x + run * 32 + h * 16))), 16));
     alignas(32) int8_t q[32];
     r.scale[run] = quantize_run(v[0], v[1], _mm_setzero_si128(), q);
-    r.sum[run] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    if (sums_of_16) {
+      r.sum[2 * run] = _mm512_reduce_add_ps(v[0]);
+      r.sum[2 * run + 1] = _mm512_reduce_add_ps(v[1]);
+    } else {
+      r.sum[run] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    }
     int8_t* chunk = r.q + run / 4 * 128 + run % 4 * 16;
     std::memcpy(chunk, q, 16);
     std::memcpy(chunk + 64, q + 16, 16);
@@ -1113,11 +1118,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     return Int8Chunks{reinterpret_cast<int8_t*>(base), scale, scale + K / 32};
   };
   if (int8_q4 || int8_six)
-    for (int64_t m = 0; m < M; ++m) {
-      const bf16* xm = static_cast<const bf16*>(x) + m * K;
-      quantize_chunks(xm, K, int8_chunks(m));
-      if (int8_six) run_sums(xm, K, int8_chunks(m).sum, 16);  // Q6_K's groups of 16
-    }
+    for (int64_t m = 0; m < M; ++m)  // Q6_K's sums per group of 16
+      quantize_chunks(static_cast<const bf16*>(x) + m * K, K, int8_chunks(m), int8_six);
 #endif
   int64_t tiled = 0;  // rows [0, tiled) of w go by strips
 #if CC_INT8_STRIPS

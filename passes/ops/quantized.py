@@ -129,6 +129,13 @@ def unpack_q6(w: torch.Tensor) -> torch.Tensor:
     return (u.to(torch.int16) - 32).to(torch.int8).reshape(*lead, chunks * 128)
 
 
+def q4_int8_x(scales: torch.Tensor, int8_x: bool) -> bool:
+    """Whether a q4 product with these scales takes int8 activations where `int8_x` allows
+    them: the K-quants' (compact) only, as llama.cpp multiplies Q4_K; Q4_0 / Q4_1 stay
+    exact (int8 cost the shipped Q4_1 model 1.2% perplexity, NOTES 45)."""
+    return bool(int8_x) and is_compact(scales)
+
+
 def q8_columns(w: torch.Tensor) -> int:
     """The values a row of q8 blocks holds (Q6_K's 6-bit rows: 4 for 3 bytes)."""
     return w.shape[-1] // 3 * 4 if w.dtype == torch.uint8 else w.shape[-1]
