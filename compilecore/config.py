@@ -217,6 +217,9 @@ class CompilationConfig:
     custom_passes: list[Any] = field(default_factory=list)
     # Layers that run outside the compiled graph, by prefix (attention layers).
     static_forward_context: dict[str, Any] = field(default_factory=dict, repr=False)
+    # This engine's CUDA-graph memory pool (compilecore/cuda_graph.py `graph_pool`): its
+    # pieces and whole steps share it; another engine in the process has its own.
+    graph_pool: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.passes = PassConfig.from_any(self.passes)

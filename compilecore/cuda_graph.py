@@ -29,9 +29,6 @@ from compilecore.recipe import weights_version
 
 logger = logging.getLogger("compilecore")
 
-_GRAPH_POOL: Any = None
-
-
 def piecewise_graphs(mode: str) -> bool:
     return mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
 
@@ -40,11 +37,14 @@ def full_decode_graphs(mode: str) -> bool:
     return mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
-def graph_pool() -> Any:
-    global _GRAPH_POOL
-    if _GRAPH_POOL is None:
-        _GRAPH_POOL = torch.cuda.graph_pool_handle()
-    return _GRAPH_POOL
+def graph_pool(engine_config: EngineConfig) -> Any:
+    """The engine's CUDA-graph memory pool, made on first use. Per engine, not per
+    process: a graph's outputs are held weakly and live in its pool, so two engines
+    sharing one could overwrite each other's logits between a replay and its read."""
+    cc = engine_config.compilation_config
+    if cc.graph_pool is None:
+        cc.graph_pool = torch.cuda.graph_pool_handle()
+    return cc.graph_pool
 
 
 def default_capture_sizes(max_num_batched_tokens: int) -> list[int]:
@@ -102,6 +102,7 @@ class CUDAGraphWrapper:
             and piecewise_graphs(cc.cudagraph_mode)
         )
         self.sizes = set(cc.cudagraph_capture_sizes or [])
+        self.engine_config = engine_config
         self.debug = cc.debug
         self.entries: dict[int, _Entry] = {}
 
@@ -129,7 +130,7 @@ class CUDAGraphWrapper:
     def _capture(self, n: int, args: tuple) -> Any:
         self.runnable(*args)  # warm-up: lazy initialisation must not happen inside capture
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=graph_pool()):
+        with torch.cuda.graph(graph, pool=graph_pool(self.engine_config)):
             output = self.runnable(*args)
         ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
         moving = [i for i, a in enumerate(args) if _is_activation(a)]
@@ -171,10 +172,10 @@ class FullCudaGraph:
     capture size and gives attention the model's longest context to size its KV splits
     (the kernels read each sequence's real length on the device)."""
 
-    def __init__(self, step: Callable[[], torch.Tensor]):
+    def __init__(self, step: Callable[[], torch.Tensor], engine_config: EngineConfig):
         step()  # warm-up: lazy initialisation and Triton's compiles must not be captured
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=graph_pool()):
+        with torch.cuda.graph(self.graph, pool=graph_pool(engine_config)):
             output = step()
         # Held weakly: the memory goes back to the shared pool, and the next (smaller)
         # capture's logits reuse it. Held strongly, every size's logits would stay

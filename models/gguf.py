@@ -76,7 +76,8 @@ def _reader(path: Path) -> GGUFFile:
     try:
         return GGUFFile(path)
     except GGUFFormatError as e:
-        raise GGUFError(f"cannot read {path} as a GGUF file: {e} (is it truncated?)") from e
+        hint = " (is it truncated?)" if e.truncated else ""
+        raise GGUFError(f"cannot read {path} as a GGUF file: {e}{hint}") from e
 
 
 def _kept_formats() -> dict[Any, QuantFormat]:

@@ -30,8 +30,20 @@ _TYPED = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8
           "I16": np.int16, "I32": np.int32, "I64": np.int64}  # fmt: skip
 
 
+# Nesting of array fields a reader follows: GGUF writers nest at most once (arrays of
+# arrays are rare); deeper is a damaged or hostile header, not a deep Python stack.
+MAX_ARRAY_DEPTH = 16
+# The largest tensor this reader maps: numpy counts bytes in int64.
+MAX_TENSOR_VALUES = 2**62
+
+
 class GGUFFormatError(ValueError):
-    pass
+    """A file that is not a well-formed GGUF. `truncated`: the header or a tensor ran past
+    the end of the file (a partial download or copy is the likely cause)."""
+
+    def __init__(self, message: str, truncated: bool = False):
+        super().__init__(message)
+        self.truncated = truncated
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,7 @@ class GGUFArray:
     item_type: int
     count: int
     offset: int
+    depth: int = 1  # arrays around (and including) this one
 
     def items(self) -> list[Any]:
         return self.file._array_items(self)
@@ -59,14 +72,18 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         with open(self.path, "rb") as f:
+            if self.path.stat().st_size == 0:  # mmap refuses an empty file
+                raise GGUFFormatError("the file is empty (0 bytes)", truncated=True)
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._buf = memoryview(self._map)  # slices are cheap; numpy memmap slices are not
         self._at = 0
         try:
             self._read_header()
-        except (struct.error, IndexError, UnicodeDecodeError, ValueError) as e:
-            if isinstance(e, GGUFFormatError):
-                raise
+        except GGUFFormatError:
+            raise
+        except struct.error as e:  # a fixed-size read past the end
+            raise GGUFFormatError(f"the header ends early ({e})", truncated=True) from e
+        except (IndexError, UnicodeDecodeError, ValueError, OverflowError) as e:
             raise GGUFFormatError(f"{type(e).__name__}: {e}") from e
 
     def field(self, key: str) -> Any:
@@ -86,7 +103,12 @@ class GGUFFile:
             key = self._string()
             self.fields[key] = self._value(self._scalar("<I"))
         infos = [self._tensor_info() for _ in range(n_tensors)]
-        alignment = int(self.fields.get("general.alignment", 32))
+        alignment = self.fields.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
+            raise GGUFFormatError(
+                f"general.alignment is {alignment!r}: the GGUF spec wants a positive "
+                "multiple of 8"
+            )
         start = -(-self._at // alignment) * alignment
         self.tensors = [self._tensor(*info, start) for info in infos]
 
@@ -98,31 +120,35 @@ class GGUFFile:
     def _string(self) -> str:
         n = self._scalar("<Q")
         if self._at + n > len(self._buf):
-            raise GGUFFormatError("a string runs past the end of the file")
+            raise GGUFFormatError("a string runs past the end of the file", truncated=True)
         text = bytes(self._buf[self._at : self._at + n]).decode("utf-8")
         self._at += n
         return text
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, depth: int = 0) -> Any:
         if kind in _SCALARS:
             return self._scalar(_SCALARS[kind])
         if kind == _STRING:
             return self._string()
         if kind != _ARRAY:
             raise GGUFFormatError(f"unknown field type {kind}")
+        if depth >= MAX_ARRAY_DEPTH:
+            raise GGUFFormatError(f"arrays nested more than {MAX_ARRAY_DEPTH} deep")
         item_type, count = self._scalar("<I"), self._scalar("<Q")
-        array = GGUFArray(self, item_type, count, self._at)
+        array = GGUFArray(self, item_type, count, self._at, depth + 1)
         if item_type in _SCALARS:
             self._at += count * struct.calcsize(_SCALARS[item_type])
+            if self._at > len(self._buf):
+                raise GGUFFormatError("an array runs past the end of the file", truncated=True)
         else:  # strings or nested arrays: walked to find the end
             for _ in range(count):
-                self._value(item_type)
+                self._value(item_type, depth + 1)
         return array
 
     def _array_items(self, array: GGUFArray) -> list[Any]:
         at, self._at = self._at, array.offset
         try:
-            return [self._value(array.item_type) for _ in range(array.count)]
+            return [self._value(array.item_type, array.depth) for _ in range(array.count)]
         finally:
             self._at = at
 
@@ -140,12 +166,17 @@ class GGUFFile:
             raise GGUFFormatError(f"tensor {name!r} has unknown block type {type_id}") from e
         block, type_size = GGML_QUANT_SIZES[tensor_type]
         rows = tuple(reversed(dims))  # numpy's order
-        if dims[0] % block:
+        values = 1
+        for d in dims:
+            values *= d  # Python ints: a product past int64 is caught, not wrapped
+        if values > MAX_TENSOR_VALUES:
+            raise GGUFFormatError(f"tensor {name!r} has dimensions {dims}: too large to hold")
+        if dims and dims[0] % block:
             raise GGUFFormatError(f"tensor {name!r}: {dims[0]} values a row, blocks of {block}")
-        n_bytes = int(np.prod(dims, dtype=np.int64)) // block * type_size
+        n_bytes = values // block * type_size
         begin = start + offset
         if begin + n_bytes > len(self._buf):
-            raise GGUFFormatError(f"tensor {name!r} runs past the end of the file")
+            raise GGUFFormatError(f"tensor {name!r} runs past the end of the file", truncated=True)
         raw = np.frombuffer(self._map, dtype=np.uint8, count=n_bytes, offset=begin)
         typed = _TYPED.get(tensor_type.name)
         if typed is not None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from compilecore.config import EngineConfig
 from models import gguf
+from models.layers.quantization import unpack_6bit_values
 from models.registry import resolve_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -117,6 +118,7 @@ def load_weights(
         finish = getattr(module, "process_weights_after_loading", None)
         if finish is not None:
             finish()
+    unpack_6bit_values(model)  # the CPU's 6-bit layout: other devices read int8
 
 
 def load_model(engine_config: EngineConfig) -> nn.Module:

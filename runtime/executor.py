@@ -9,6 +9,7 @@ receive each step's plan by broadcast and run their shard in lock step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -39,6 +40,15 @@ class WorkerError(RuntimeError):
     pass
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` made the current CUDA device for a block (nothing elsewhere): Triton
+    launches, CUDA-graph capture and the current stream all follow the current device,
+    not the tensors', so `LLM(device="cuda:1")` captured and launched on cuda:0 before."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 class LocalExecutor:
     def __init__(self, engine_config: EngineConfig):
         if get_tp_group().world_size > 1 or get_pp_group().world_size > 1:
@@ -46,16 +56,23 @@ class LocalExecutor:
                 "a tensor/pipeline-parallel LLM is still running in this process (the parallel "
                 "state is global): call its shutdown() before creating another LLM"
             )
-        self.worker = Worker(engine_config)
+        # Each call enters the device, not set_device once: two engines on two GPUs in
+        # one process each run on their own.
+        self.device = engine_config.device
+        with on_device(self.device):
+            self.worker = Worker(engine_config)
 
     def num_kv_blocks(self) -> int:
-        return self.worker.num_kv_blocks()
+        with on_device(self.device):
+            return self.worker.num_kv_blocks()
 
     def init_cache(self, num_blocks: int) -> None:
-        self.worker.init_cache(num_blocks)
+        with on_device(self.device):
+            self.worker.init_cache(num_blocks)
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        return self.worker.execute(plan)
+        with on_device(self.device):
+            return self.worker.execute(plan)
 
     def shutdown(self) -> None:
         pass

@@ -417,6 +417,23 @@ class LLM:
         )  # fmt: skip
 
 
+
+def cuda_index_pinned(device: torch.device) -> torch.device:
+    """A CUDA device with its index: "cuda" is the current device now, and stays that one
+    whatever the process's current device is later (the executor enters it for every
+    call). An index past the devices present is refused by name."""
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}: no CUDA device is available (use 'cpu')")
+    count = torch.cuda.device_count()
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= count:
+        raise ValueError(f"device={str(device)!r}: this machine has {count} CUDA device(s)")
+    return device
+
+
 def build_engine_config(
     model: str | None = None,
     *,
@@ -463,7 +480,9 @@ def build_engine_config(
     if compilation.mode != "none" and not cache_disabled():
         # Before anything loads code from it: a foreign or world-writable folder is refused.
         check_cache_root(Path(compilation.cache_dir or cache_root() / "torch_compile"))
-    device_obj = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device_obj = cuda_index_pinned(
+        torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    )
     if compilation.cudagraph_capture_sizes is None and device_obj.type == "cuda":
         compilation.cudagraph_capture_sizes = default_capture_sizes(max_num_batched_tokens)
     too_big = [s for s in compilation.cudagraph_capture_sizes or [] if s > max_num_batched_tokens]

@@ -529,7 +529,7 @@ class ModelRunner:
                     out = self.model(self.input_ids[:size], self.positions[:size], None)
                     return self.model.compute_logits(out[:size])
 
-            self.full_graphs[size] = FullCudaGraph(step)
+            self.full_graphs[size] = FullCudaGraph(step, self.config)
         torch.cuda.synchronize(self.device)
         logger.info("captured full decode graphs for %d sizes in %.1f s",
                     len(self.full_graphs), time.perf_counter() - start)  # fmt: skip

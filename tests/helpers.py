@@ -157,3 +157,13 @@ def hf_greedy_checked(hf, prompt: list[int], n: int, margin: float) -> tuple[lis
     top2 = [s[0].float().topk(2).values for s in out.scores]
     checked = next((i for i, v in enumerate(top2) if v[0] - v[1] < margin), n)
     return out.sequences[0, len(prompt) :].tolist(), checked
+
+
+def native_cpu_kernels() -> bool:
+    """Whether our CPU kernels build here (AVX-512). Without them the compiler alone runs
+    every product (passes/config.py `resolved`): a decode step's piece is one Inductor
+    kernel, and a batch above 1 reaches Inductor's extern GEMM, which no CPU graph can
+    record (that step runs piece by piece)."""
+    from passes.ops import layer_kernels
+
+    return layer_kernels.available()

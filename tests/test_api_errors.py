@@ -6,6 +6,7 @@ import gc
 import json
 
 import pytest
+import torch
 from torch import fx
 
 from models.llama import LlamaForCausalLM
@@ -93,6 +94,12 @@ def test_kv_budget_too_small_says_what_is_needed(tiny_llama):
 def test_bad_engine_arguments(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         LLM(str(tiny_llama[0]), **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_by_name(tiny_llama):
+    with pytest.raises(ValueError, match=r"device='cuda:1': no CUDA device.*'cpu'"):
+        LLM(str(tiny_llama[0]), device="cuda:1")
 
 
 def test_chat_applies_template(llm):

@@ -141,3 +141,24 @@ def test_kv_budget_is_the_share_less_own_use_and_the_activation_peak():
     assert kv_budget_after_profiling(80 * gib, 0.9, 6 * gib, 2 * gib, 10 * gib) == 8 * gib
     # Whatever the device's free memory, another process's use is not this engine's.
     assert kv_budget_after_profiling(80 * gib, 0.5, 1 * gib, 0, 80 * gib) == 39 * gib
+
+
+@gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_engine_on_the_second_device_runs_there(tiny_llama):
+    """`device="cuda:1"` while cuda:0 is current: weights, KV cache and graphs on cuda:1
+    (Triton launches and captures follow the current device, which the executor enters
+    for each call), the same tokens as on cuda:0, and the caller's current device kept."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[3, 7, 11], [5, 9]]
+    tokens = {}
+    for device in ("cuda:0", "cuda:1"):
+        torch.cuda.set_device(0)
+        llm = LLM(str(tiny_llama[0]), device=device, dtype="float32",
+                  kv_cache_memory=64 << 20, compilation_config={"cudagraph_capture_sizes": [1, 2]})
+        runner = llm.llm_engine.runner
+        assert {c.device for c in runner.kv_caches} == {torch.device(device)}
+        tokens[device] = [o.outputs[0].token_ids
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert torch.cuda.current_device() == 0
+    assert tokens["cuda:1"] == tokens["cuda:0"]

@@ -6,6 +6,7 @@ at load against HF transformers on the same dequantized weights."""
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 
 import numpy as np
@@ -19,7 +20,13 @@ from hypothesis import strategies as st
 from compilecore import testing
 from compilecore.testing import count_ops
 from models import gguf
-from models.layers.quantization import AT_LOAD, QuantFormat, quantization_config, quantize
+from models.layers.quantization import (
+    AT_LOAD,
+    QuantFormat,
+    quantization_config,
+    quantize,
+    unpack_6bit_values,
+)
 from models.loader import load_hf_config
 from passes.decompose_dequantize import DecomposeDequantizePass
 from passes.ops import quantized
@@ -582,6 +589,15 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     prompts = [torch.randint(0, TOKENIZER_VOCAB, (n,), generator=g) for n in (1, 9)]
     got, want = packed_logits(model, engine_config, prompts), hf_logits(oracle, prompts)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    # On a GPU the loader unpacks the 6-bit values once (the Triton product reads int8):
+    # the CPU loaded them packed; unpacked, every Q6_K field (3 down projections, the
+    # head, one v part) reads the same values.
+    assert unpack_6bit_values(model) == 0
+    assert unpack_6bit_values(model, device_type="cuda") == 5
+    assert qkv.qweight_v.dtype == torch.int8 and qkv.qweight_v.shape == (128, 256)
+    assert model.lm_head.qweight.dtype == torch.int8
+    assert torch.equal(packed_logits(model, engine_config, prompts), got)
+    assert unpack_6bit_values(model, device_type="cuda") == 0
 
 
 @pytest.mark.slow
@@ -709,7 +725,7 @@ def _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed, device=
         w, *fields = _q4_fields(g, n, k, k_quant=k_quant)
         ref = quantized.q4_linear_ref
     else:
-        w, *fields = _q8_fields(g, n, k, group, k_quant)
+        w, *fields = _q8_fields(g, n, k, group, k_quant, packed=False)  # as loaded on CUDA
         ref = quantized.q8_linear_ref
     want = ref(x, w, *fields, b, out_dtype)
     x, w, b = x.to(device), w.to(device), None if b is None else b.to(device)
@@ -751,6 +767,37 @@ def test_triton_products_equal_the_reference(rows, n, runs, bits, fmt, bias, dty
     tile = None if tile is None else Tile(*tile)
     got, want = _triton_case(rows, n, runs, bits, fmt, bias, dtype, out_dtype, seed, tile=tile)
     _assert_close_to_reference(got, want)
+
+
+@_interpreted
+def test_triton_products_refuse_6_bit_rows():
+    """The CUDA product reads Q6_K's values as int8 (unpacked once at load): handed the
+    CPU's 6-bit rows it says so, where it unpacked a full copy on every call before."""
+    from passes.ops.triton_quant import quant_linear_triton
+
+    g = torch.Generator().manual_seed(0)
+    w, scales = _q8_fields(g, 8, 256, 16, k_quant=True)
+    with pytest.raises(ValueError, match="unpack_6bit_values"):
+        quant_linear_triton(torch.randn(1, 256), w, (scales,))
+
+
+@_interpreted
+def test_triton_products_address_rows_past_2_31_values():
+    """Row offsets in int64: x's third row starts 2^32 - 128 values after its first (a
+    row stride just under 2^31, so the stride itself is an int32 argument). In int32 the
+    offset wrapped to -128 and the row read the zeros before x (the pad below): its
+    outputs were 0. The virtual 8 GiB is an untouched mapping: 3 rows of pages are used."""
+    from passes.ops.triton_quant import quant_linear_triton
+
+    stride, k, n, pad = 2**31 - 64, 64, 16, 256
+    buffer = mmap.mmap(-1, (pad + 2 * stride + k) * 4)
+    x = torch.frombuffer(buffer, dtype=torch.float32).as_strided((3, k), (stride, 1), pad)
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(3, k, generator=g)
+    x.copy_(values)
+    w, scales = _q8_fields(g, n, k, 32, False)
+    want = quantized.q8_linear_ref(values, w, scales)
+    _assert_close_to_reference(quant_linear_triton(x, w, (scales,)), want)
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from passes.ops import quantized  # noqa: F401 - registers the dequantize ops
-from passes.ops.quantized import GROUPS_PER_SUPER, q4_int8_x
+from passes.ops.quantized import GROUPS_PER_SUPER, q4_int8_x, unpack_q6
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,32 @@ def quant_fields(module: nn.Module, fmt: QuantFormat | None = None, suffix: str 
     one part's, of a fused module held per part)."""
     fmt = fmt or module.quant_format
     return tuple(getattr(module, name + suffix) for name in fmt.names())
+
+
+def formats_held(module: nn.Module) -> list[tuple[QuantFormat, str]]:
+    """A module's block formats with its fields' name suffix: its own (`quant_format`,
+    no suffix) and each part's of a fused module held per part (`_{shard id}`)."""
+    fmt = getattr(module, "quant_format", None)
+    held = [] if fmt is None else [(fmt, "")]
+    parts = getattr(module, "part_formats", None) or ()
+    return held + [(part, f"_{sid}") for (sid, _), part in parts]
+
+
+def unpack_6bit_values(model: nn.Module, device_type: str | None = None) -> int:
+    """Q6_K's values, kept in 6 bits for the CPU's row products (`pack_q6`), unpacked
+    once to int8 [N, K] where the weights live elsewhere (`device_type`: the parameters'
+    own by default). Every other path reads int8 q8 values as they read Q8_0's; on CUDA
+    the Triton product unpacked a full copy on every call before (a 49152 x 2048 head:
+    ~2.3 GB of temporaries a step). Returns how many fields were unpacked."""
+    count = 0
+    for module in model.modules():
+        for fmt, suffix in formats_held(module):
+            param = getattr(module, "qweight" + suffix)
+            where = device_type or param.device.type
+            if fmt.bits == 6 and param.dtype == torch.uint8 and where != "cpu":
+                param.data = unpack_q6(param.data)  # a tied head shares this parameter
+                count += 1
+    return count
 
 
 @dataclass

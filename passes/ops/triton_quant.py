@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from passes.ops.quantized import GROUPS_PER_SUPER, groups_of, unpack_q6
+from passes.ops.quantized import GROUPS_PER_SUPER, groups_of
 
 _TL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -72,8 +72,11 @@ def quant_linear_triton(
     from passes.ops.triton_quant_kernels import quant_stream_kernel
 
     bits = 4 if len(fields) == 2 else 8
-    if bits == 8 and w.dtype == torch.uint8:  # Q6_K's 6-bit rows: the kernel reads int8
-        w = unpack_q6(w)
+    if bits == 8 and w.dtype == torch.uint8:
+        raise ValueError(
+            "Q6_K's 6-bit rows (the CPU's layout): the Triton product reads int8 values, "
+            "unpacked once at load (models/layers/quantization.py `unpack_6bit_values`)"
+        )
     x = x if x.stride(-1) == 1 else x.contiguous()
     fields = tuple(f.contiguous() for f in fields)
     m, k = x.shape

@@ -74,8 +74,10 @@ def quant_stream_kernel(
     > 1: program (m, n, s) sums K in [s * k_chunk, (s + 1) * k_chunk) into y's fp32
     partials [SPLIT_K, M, N] (the caller adds them up and the bias)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 rows: every address below is a row times a row length, past 2^31 once N x K
+    # is (Llama 3 405B's LM head: 128256 x 16384); int32 wrapped and read another row.
+    rows_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rows_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     m_mask, n_mask = rows_m < M, rows_n < N
     HALF: tl.constexpr = BLOCK_K // 2
     if BLOCK_M == 1:
@@ -99,7 +101,7 @@ def quant_stream_kernel(
         acc = tl.sum(acc2, axis=1)[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
-        out = y_ptr + pid_k * M * N + rows_m[:, None] * N + rows_n[None, :]
+        out = y_ptr + pid_k.to(tl.int64) * M * N + rows_m[:, None] * N + rows_n[None, :]
         tl.store(out, acc, mask=out_mask)
     else:
         if HAS_BIAS:
