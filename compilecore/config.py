@@ -120,6 +120,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # vLLM's: launch each step before the last one's tokens reach the host, while every
+    # request samples greedily (runtime/async_scheduling.py); one process only.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -132,7 +132,9 @@ class BlockManager:
         if self.enable_prefix_caching:
             # Registered now, before the step computes them: a request scheduled later in
             # the same step may hit them, and attention writes K/V before it reads.
-            self._cache_full_blocks(request_id, token_ids, num_tokens)
+            # Only blocks of known ids: async scheduling allocates for a token whose id
+            # is still on the device (past the end of `token_ids`).
+            self._cache_full_blocks(request_id, token_ids, min(num_tokens, len(token_ids)))
         return True
 
     def free(self, request_id: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from compilecore.config import EngineConfig
 from runtime import cpu_sampling
+from runtime.async_scheduling import InflightStep, greedy_tokens
 from runtime.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from runtime.executor import LocalExecutor
 from runtime.model_runner import PromptLogprobRows, plan_step
@@ -38,8 +39,13 @@ class LLMEngine:
         self.executor.init_cache(num_blocks)
         self.compile_seconds = self.executor.worker.compile_seconds
         self.scheduler = Scheduler(
-            engine_config.scheduler_config, engine_config.cache_config, num_blocks
-        )
+            engine_config.scheduler_config, engine_config.cache_config, num_blocks,
+            engine_config.model_config.max_model_len,
+        )  # fmt: skip
+        # Async scheduling: the launched step whose tokens the host has not read yet, and
+        # how many steps took input ids from the step before on the device.
+        self._inflight: InflightStep | None = None
+        self.num_fed_steps = 0
         self.sampler = Sampler(engine_config.model_config.seed)
         if engine_config.device.type == "cpu":
             cpu_sampling.build()  # now, not at the first sampled token (~1 s on first use)
@@ -115,18 +121,65 @@ class LLMEngine:
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it. If the step raises,
-        the requests it scheduled are aborted first (the others are untouched)."""
+        the requests it scheduled are aborted first (the others are untouched). With
+        async scheduling a step launches the next one and then reads the last one's
+        tokens (runtime/async_scheduling.py): what finishes is one step late."""
+        pipelined = self._can_pipeline()
+        if self._inflight is not None and not pipelined:
+            return self._read_inflight()  # a step that samples on the host waits for it
         out = self.scheduler.schedule()
         if not out:
-            return []
+            return self._read_inflight()
         try:
-            return self._run(out)
+            return self._run_pipelined(out) if pipelined else self._run(out)
         except BaseException as exc:
             failed = [s.request.request_id for s in out.scheduled]
             self.abort_request(failed)
             if hasattr(exc, "add_note"):
                 exc.add_note(f"compilecore: aborted the requests of the failed step: {failed}")
             raise
+
+    def _can_pipeline(self) -> bool:
+        """Async scheduling is on and every live request samples its argmax alone (no
+        logprobs, logits processing, grammar or prompt logprobs): steps may overlap."""
+        if not self.config.scheduler_config.async_scheduling:
+            return False
+        live = (*self.scheduler.running, *self.scheduler.waiting)
+        return all(r.plain_greedy and r.grammar is None
+                   and r.sampling_params.prompt_logprobs is None for r in live)  # fmt: skip
+
+    def _run_pipelined(self, out: SchedulerOutput) -> list[Request]:
+        plan, sampling, _ = plan_step(out, self.scheduler.block_manager)
+        last = self._inflight
+        feed = last.feed(plan.fed) if last is not None else None
+        self.num_fed_steps += feed is not None
+        logits = self.executor.execute(plan, feed)
+        self.scheduler.advance(out)
+        launched = None
+        if sampling:
+            requests = [s.request for s in sampling]
+            launched = InflightStep(requests, greedy_tokens(logits[: len(requests)]))
+        self._inflight = launched
+        return self._read(last) if last is not None else []
+
+    def _read_inflight(self) -> list[Request]:
+        last, self._inflight = self._inflight, None
+        return self._read(last) if last is not None else []
+
+    def _read(self, step: InflightStep) -> list[Request]:
+        """A launched step's tokens, appended and checked for stops (one step late)."""
+        finished = []
+        for req, token in zip(step.requests, step.host_tokens()):
+            if req.is_finished:  # aborted, or stopped by its token of the step before
+                continue
+            if token == NO_TOKEN:
+                self._finish(req, "error")
+                finished.append(req)
+                continue
+            req.append_token(token)
+            if self._check_stop(req, token):
+                finished.append(req)
+        return finished
 
     def _run(self, out: SchedulerOutput) -> list[Request]:
         plan, sampling, prompt_rows = plan_step(out, self.scheduler.block_manager)

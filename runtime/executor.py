@@ -30,6 +30,7 @@ from compilecore.parallel_state import (
     init_model_parallel,
     init_parallel_state,
 )
+from runtime.async_scheduling import Feed
 from runtime.model_runner import StepPlan
 from runtime.worker import Worker
 
@@ -70,9 +71,9 @@ class LocalExecutor:
         with on_device(self.device):
             self.worker.init_cache(num_blocks)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan, feed: Feed | None = None) -> torch.Tensor | None:
         with on_device(self.device):
-            return self.worker.execute(plan)
+            return self.worker.execute(plan, feed)
 
     def shutdown(self) -> None:
         pass

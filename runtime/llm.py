@@ -73,7 +73,8 @@ class LLM:
         """`engine_args`: see `build_engine_config` (vLLM's names: dtype, max_model_len,
         max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization,
         enable_prefix_caching, enable_chunked_prefill, enforce_eager, compilation_config,
-        tensor_parallel_size, pipeline_parallel_size, seed, trust_remote_code; ours:
+        tensor_parallel_size, pipeline_parallel_size, seed, trust_remote_code,
+        async_scheduling; ours:
         kv_cache_memory, attention_backend, attention_num_splits, device).
         `distributed_executor_backend="external"` joins ranks that torchrun started (see
         runtime/launch.py). `max_logprobs` caps `logprobs` and `prompt_logprobs` (vLLM's
@@ -454,6 +455,7 @@ def build_engine_config(
     device: str | None = None,
     gpu_memory_utilization: float = 0.9,
     enable_chunked_prefill: bool = True,
+    async_scheduling: bool = False,
     trust_remote_code: bool = False,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
@@ -485,6 +487,11 @@ def build_engine_config(
     )
     if compilation.cudagraph_capture_sizes is None and device_obj.type == "cuda":
         compilation.cudagraph_capture_sizes = default_capture_sizes(max_num_batched_tokens)
+    if async_scheduling and tensor_parallel_size * pipeline_parallel_size > 1:
+        raise ValueError(
+            "async_scheduling runs one process: the ranks' steps are not pipelined yet (drop "
+            "it, or tensor_parallel_size / pipeline_parallel_size)"
+        )
     too_big = [s for s in compilation.cudagraph_capture_sizes or [] if s > max_num_batched_tokens]
     if too_big:
         raise ValueError(
@@ -513,7 +520,7 @@ def build_engine_config(
             attention_num_splits=attention_num_splits,
         ),
         scheduler_config=SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, enable_chunked_prefill
+            max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, async_scheduling
         ),
         parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
         compilation_config=compilation,
@@ -532,7 +539,7 @@ _VLLM_ENGINE_ARGS = frozenset({
     "cpu_offload_gb", "enable_expert_parallel", "data_parallel_size", "limit_mm_per_prompt",
     "mm_processor_kwargs", "disable_async_output_proc", "override_generation_config",
     "enable_sleep_mode", "calculate_kv_scales", "task", "runner", "num_gpu_blocks_override",
-    "worker_cls", "async_scheduling", "enable_log_requests", "guided_decoding_backend",
+    "worker_cls", "enable_log_requests", "guided_decoding_backend",
     "structured_outputs_config", "reasoning_parser", "logits_processors", "pooler_config",
     "max_num_partial_prefills", "long_prefill_token_threshold", "scheduling_policy",
     "preemption_mode", "rope_scaling", "rope_theta", "disable_sliding_window",

@@ -28,6 +28,7 @@ from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from compilecore.weight_watch import WeightWatch
 from models.layers.logits_processor import LogitsProcessor
+from runtime.async_scheduling import Feed
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.lm_head import choose_lm_head_kernels
@@ -62,6 +63,9 @@ class StepPlan:
     # The logits only feed an argmax (every row greedy without logprobs or processing):
     # the batch-1 LM head may compute only the rows that can win (passes/ops/gemv.py).
     argmax_only: bool = False
+    # Token indices whose ids are still on the device (async scheduling), each with its
+    # request id: the runner gathers them from the previous step's tokens (`Feed`).
+    fed: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +97,13 @@ def plan_step(
         req, begin = s.request, s.request.num_computed_tokens
         end = begin + s.num_new_tokens
         table = block_manager.block_table(req.request_id)
-        plan.token_ids += req.all_token_ids[begin:end]
+        known = req.all_token_ids[begin:end]
+        if end - begin - len(known) > 1:
+            raise RuntimeError(f"{req.request_id}: more than one token pending at a step")
+        if len(known) < end - begin:  # the last one is pending: 0 until the runner's gather
+            plan.fed.append((len(plan.token_ids) + len(known), req.request_id))
+            known = known + [0]
+        plan.token_ids += known
         plan.positions += range(begin, end)
         plan.slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
         plan.query_starts.append(plan.query_starts[-1] + s.num_new_tokens)
@@ -166,13 +176,18 @@ class ModelRunner:
         # The rows whose logits are computed (vLLM's logits_indices): staged like the rest,
         # so a GPU step gathers them without a pageable, synchronizing copy.
         self.logits_indices = torch.zeros(max_tokens, dtype=torch.long, device=dev)
+        # Async scheduling's gather of pending ids (`Feed`): destination token indices,
+        # source rows of the previous step's tokens.
+        self.feed_dst = torch.zeros(max_seqs, dtype=torch.long, device=dev)
+        self.feed_src = torch.zeros(max_seqs, dtype=torch.long, device=dev)
+        self._feed: Feed | None = None  # this step's, set by `execute`
         self.kv_caches: list[torch.Tensor] = []
         # numpy views of the same memory: filling them costs ~1 us, a torch.tensor + copy_
         # ~10 us, and a decode step fills six.
         # On a GPU the same views are of pinned host buffers, copied with non_blocking=True:
         # the host does not wait for the copies (pageable memory would make it).
         names = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping",
-                 "block_table", "logits_indices")  # fmt: skip
+                 "block_table", "logits_indices", "feed_dst", "feed_src")  # fmt: skip
         if self.device.type == "cpu":
             self.staging = None
             self.host_views = {name: getattr(self, name).numpy() for name in names}
@@ -307,18 +322,25 @@ class ModelRunner:
         r = len(plan.logits_rows) if logits_rows else 0
         if r:
             views["logits_indices"][:r] = plan.logits_rows
+        f = len(self._feed.dst) if self._feed is not None else 0
+        if f:
+            views["feed_dst"][:f], views["feed_src"][:f] = self._feed.dst, self._feed.src
         if self.staging is not None:
             rows = {"input_ids": padded, "positions": padded, "query_start_loc": b + 1,
                     "seq_lens": b, "slot_mapping": n, "block_table": b,
-                    "logits_indices": r}  # fmt: skip
+                    "logits_indices": r, "feed_dst": f, "feed_src": f}  # fmt: skip
             for name, k in rows.items():
                 getattr(self, name)[:k].copy_(self.staging[name][:k], non_blocking=True)
             self._staged.record()
+        if f:  # after the ids' copy, in stream order: no host sync on the previous step
+            ids = self._feed.source.index_select(0, self.feed_src[:f])
+            self.input_ids.index_copy_(0, self.feed_dst[:f], ids)
         return padded
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
+    def execute(self, plan: StepPlan, feed: Feed | None = None) -> torch.Tensor | None:
         """Run this rank's stage. Returns logits [len(plan.logits_rows), vocab] on global
-        rank 0 (the driver), None elsewhere."""
+        rank 0 (the driver), None elsewhere. `feed`: the plan's input ids that are still
+        on the device (async scheduling)."""
         if self.weight_watch.check():  # a weight moved: record again
             self.cpu_graphs.clear()
             if self.full_graphs:
@@ -326,6 +348,7 @@ class ModelRunner:
         size, graph = self._whole_step_graph(plan)
         # Only for this step: whoever computes logits next (a test, a tool) gets them all.
         self._set_argmax_only(plan.argmax_only)
+        self._feed = feed
         try:
             if graph is not None:
                 # A recorded step calls no torch function on the way, not even inference
@@ -339,6 +362,7 @@ class ModelRunner:
             return self._execute(plan, size if self.device.type == "cpu" else None)
         finally:
             self._set_argmax_only(False)
+            self._feed = None
 
     def _set_argmax_only(self, flag: bool) -> None:
         for set_flag in self._argmax_setters:

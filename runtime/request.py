@@ -41,6 +41,9 @@ class Request:
     prompt_logprobs: list[dict[int, Any] | None] = field(default_factory=list)
     # The request's place in its structured-output grammar (set by the engine), or None.
     grammar: Any = None
+    # Tokens sampled on the device whose ids the host has not read yet (async scheduling:
+    # runtime/async_scheduling.py); the scheduler counts them as the request's next inputs.
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         # One list for prompt and output, appended in place: the block hashes and the
@@ -57,6 +60,20 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """The tokens a step may compute: the known ones and those still on the device."""
+        return len(self.all_token_ids) + self.num_pending
+
+    def pending_ends_it(self, max_model_len: int) -> bool:
+        """Whether a pending token, once read, ends the request by length: no step need
+        compute after it."""
+        if not self.num_pending:
+            return False
+        limit = self.sampling_params.max_tokens
+        n_out = len(self.output_token_ids) + self.num_pending
+        return (limit is not None and n_out >= limit) or self.num_scheduled_tokens >= max_model_len
 
     @property
     def num_prompt_tokens(self) -> int:

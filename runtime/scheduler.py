@@ -27,7 +27,7 @@ class ScheduledRequest:
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens (so one is sampled)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_scheduled_tokens
 
 
 @dataclass
@@ -45,9 +45,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int | None = None,
     ):
         self.config = scheduler_config
+        self.max_model_len = max_model_len
         self.block_manager = BlockManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -73,7 +78,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.max_model_len is not None and req.pending_ends_it(self.max_model_len):
+                i += 1  # its last token is on the device: nothing after it to compute
+                continue
+            num_new = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens + num_new
             ):

@@ -12,6 +12,7 @@ import torch
 from compilecore.compile_cache import compile_cache_root
 from compilecore.config import EngineConfig
 from models.loader import load_model
+from runtime.async_scheduling import Feed
 from runtime.attention import TorchPagedAttentionBackend
 from runtime.attention.cpu_build import KernelBuildError, load_cpu_kernels
 from runtime.attention.cpu_paged import CpuPagedAttentionBackend
@@ -157,5 +158,5 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_full_graphs()
 
-    def execute(self, plan: StepPlan) -> torch.Tensor | None:
-        return self.runner.execute(plan)
+    def execute(self, plan: StepPlan, feed: Feed | None = None) -> torch.Tensor | None:
+        return self.runner.execute(plan, feed)

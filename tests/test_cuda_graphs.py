@@ -162,3 +162,18 @@ def test_an_engine_on_the_second_device_runs_there(tiny_llama):
                           for o in llm.generate(prompts, params, use_tqdm=False)]
         assert torch.cuda.current_device() == 0
     assert tokens["cuda:1"] == tokens["cuda:0"]
+
+
+@gpu
+def test_each_engine_captures_into_its_own_pool(graphed, tiny_llama):
+    """Graph outputs are held weakly in their pool: a second engine in the process gets a
+    pool of its own, so its replays cannot reuse the memory of the first's logits."""
+    llm, _ = graphed
+    other = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", kv_cache_memory=64 << 20,
+                compilation_config={"cudagraph_capture_sizes": [1, 2]})  # fmt: skip
+    pools = [e.engine_config.compilation_config.graph_pool for e in (llm, other)]
+    assert None not in pools and pools[0] != pools[1]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in other.generate([[3, 7, 11]], params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in llm.generate([[3, 7, 11]], params,
+                                                                use_tqdm=False)]  # fmt: skip
