@@ -50,6 +50,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     g.add_argument("--trust-remote-code", action="store_true", help="(config/tokenizer code)")
     g.add_argument(
+        "--async-scheduling", action="store_true",
+        help="launch each step before the last one's tokens reach the host (greedy requests)",
+    )  # fmt: skip
+    g.add_argument(
         "-O", "--compilation-config", type=_json_object, default={}, metavar="JSON",
         help='compilation_config fields as JSON (vLLM\'s flag), e.g. \'{"cudagraph_mode": '
         '"PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}\'',
@@ -102,6 +106,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "trust_remote_code": args.trust_remote_code,
+        "async_scheduling": args.async_scheduling,
         "load_format": args.load_format,
         "quantization": args.quantization,
         "compilation_config": {

@@ -49,7 +49,8 @@ def test_serve_takes_a_vllm_serve_command_line():
     line = "serve /models/x --tensor-parallel-size 2 -pp 1 --gpu-memory-utilization 0.8 "
     line += "--max-num-seqs 8 --max-num-batched-tokens 512 --block-size 32 --enforce-eager "
     line += "--no-enable-prefix-caching --trust-remote-code --api-key k --port 9000 "
-    line += "--disable-log-requests --disable-log-stats --uvicorn-log-level info"
+    line += "--disable-log-requests --disable-log-stats --uvicorn-log-level info "
+    line += "--async-scheduling"
     args = build_parser().parse_args(line.split())
     assert args.model_tag == "/models/x" and args.port == 9000 and args.api_key == "k"
     assert args.log_level == "info"
@@ -58,7 +59,7 @@ def test_serve_takes_a_vllm_serve_command_line():
     assert engine["gpu_memory_utilization"] == 0.8 and engine["max_num_seqs"] == 8
     assert (engine["max_num_batched_tokens"], engine["block_size"]) == (512, 32)
     assert engine["enforce_eager"] and engine["trust_remote_code"]
-    assert engine["enable_prefix_caching"] is False
+    assert engine["enable_prefix_caching"] is False and engine["async_scheduling"]
     # vLLM's -O / --compilation-config: JSON fields, merged with --custom-pass.
     line = ["generate", "-O", '{"cudagraph_mode": "PIECEWISE", "custom_passes": ["a:b"]}',
             "--custom-pass", "c:d", "x"]  # fmt: skip
