@@ -39,7 +39,9 @@ def test_dry_run_passes_every_step(tmp_path):
     assert steps["graphs_vs_eager"]["detail"]["replays"] == 4 * 63 - 1
     assert steps["chunked_prefill"]["detail"]["replays"] > 0
     assert steps["default_model_bf16"]["detail"]["tokens_compared"] > 0
-    assert steps["decode_bandwidth"]["detail"]["default"]["of_copy"] > 0
+    decode = steps["decode_bandwidth"]["detail"]
+    assert decode["default"]["of_read"] > 0 and decode["async"]["tok_s"] > 0
+    assert decode["default"]["of_peak"] is None  # no nominal peak for a CPU
     ms = steps["decode_bandwidth"]["detail"]["default"]["ms_per_step"]
     assert ms["step"] >= ms["model_call"] > 0 and ms["sampler"] > 0  # where a step's time goes
     assert abs(ms["step"] - ms["model_call"] - ms["sampler"] - ms["other"]) < 0.01
@@ -61,3 +63,15 @@ def test_the_device_runs_only_the_gpu_marked_test_files():
     files = gpu_check.gpu_test_files()
     assert "tests/test_cuda_graphs.py" in files and "tests/test_sampling.py" not in files
     assert all("mark.gpu" in (SCRIPT.parent.parent / f).read_text() for f in files)
+
+
+def test_the_decode_figure_divides_by_the_parts_nominal_peak():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_check
+
+    assert gpu_check.nominal_bandwidth("NVIDIA H100 80GB HBM3") == ("H100 SXM", 3.35)
+    assert gpu_check.nominal_bandwidth("NVIDIA H100 PCIe") == ("H100 PCIe", 2.0)
+    assert gpu_check.nominal_bandwidth("NVIDIA H200") == ("H200", 4.8)
+    assert gpu_check.nominal_bandwidth("NVIDIA GH200 480GB") == ("GH200 (HBM3)", 4.0)
+    assert gpu_check.nominal_bandwidth("NVIDIA A100-SXM4-80GB")[1] == 2.039
+    assert gpu_check.nominal_bandwidth("Some Future GPU") is None
