@@ -227,6 +227,9 @@ class ModelRunner:
         # Sizes the user lists are padded to whatever the batch (vLLM's capture sizes).
         self.cpu_graph_max_pad = CPU_GRAPH_MAX_PAD if cc.cpu_graph_sizes is None else None
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
+        # Graph sizes whose first replay is still to be checked against the same step run
+        # piece by piece (`_check_first_replay`).
+        self._unchecked: set[int] = set()
         self._capture_tries: dict[int, int] = {}
         self._pp_buffers: Any = None  # a later pipeline stage's receive buffers
         for layer in self.attention_layers.values():  # compiling runs attention before the cache
@@ -358,6 +361,8 @@ class ModelRunner:
                 if self.device.type == "cpu":
                     compilation_counter.num_cpu_graph_replays += 1
                 logits = graph.replay()
+                if size in self._unchecked:
+                    logits = self._check_first_replay(plan, size, logits)
                 return logits if size == plan.num_tokens else logits[: plan.num_tokens]
             return self._execute(plan, size if self.device.type == "cpu" else None)
         finally:
@@ -457,7 +462,26 @@ class ModelRunner:
             return expected
         logger.info("captured a CPU graph for %d tokens: %r", n, graph)
         self.cpu_graphs[n] = graph
+        self._unchecked.add(n)
         return logits
+
+    def _check_first_replay(self, plan: StepPlan, n: int, logits: torch.Tensor) -> torch.Tensor:
+        """A graph's first replay against the same step run piece by piece (which then
+        rewrites the step's KV): fail closed. The capture's own replay check reads the
+        buffers the capture just filled, so a kernel that ran but was not recorded (the
+        hook of compilecore/wrapper_codegen.py bypassed, as another torch release might)
+        passed it; with new inputs its buffer's stale values show."""
+        replayed = logits.clone()
+        want = self._execute(pad_decode_plan(plan, n), None)
+        self._unchecked.discard(n)
+        if not torch.equal(replayed, want):
+            logger.warning(
+                "CPU graph for %d tokens: its first replay differs from the step run piece "
+                "by piece (a kernel that torch %s ran outside the recorded calls?); not used",
+                n, torch.__version__,
+            )  # fmt: skip
+            self.cpu_graphs[n] = None
+        return want
 
     def _logits_from_last_stage(self, plan: StepPlan) -> torch.Tensor | None:
         if not plan.logits_rows:

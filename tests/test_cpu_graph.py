@@ -156,12 +156,12 @@ def test_a_replayed_step_calls_no_torch_function_outside_the_graph(compiled, mon
 
     monkeypatch.setattr(runner.weight_watch, "check", check_unwatched)
 
-    def watched(plan):
-        replayed = isinstance(
-            runner.cpu_graphs.get(runner._cpu_graph_size(plan)), cpu_graph.CpuGraph
-        )
+    def watched(plan, feed=None):
+        size = runner._cpu_graph_size(plan)  # a first replay is checked piece by piece
+        replayed = isinstance(runner.cpu_graphs.get(size), cpu_graph.CpuGraph)
+        replayed = replayed and size not in runner._unchecked
         with _TorchCalls() as mode:
-            out = execute(plan)
+            out = execute(plan, feed)
         if replayed:
             seen.append(mode.calls)
         return out
@@ -231,6 +231,37 @@ def test_kernels_of_code_our_backend_compiles_are_recorded_and_replayed(tmp_path
     assert torch.equal(out, ours(x, y)[0])
     with pytest.raises(cpu_graph.CpuGraphUnsupported, match="nothing was recorded"):
         cpu_graph.capture(lambda: theirs(x, y), tmp_path)
+
+
+def test_a_hook_that_records_no_kernel_yields_no_graph_and_the_right_tokens(
+    compiled, tiny_llama, tmp_path, monkeypatch, caplog
+):
+    """What a torch release that routes Inductor's kernel calls elsewhere would do: the
+    hook passes the calls through unrecorded. The capture still records the attention
+    calls, and before `CpuGraph.verify` the replay read the capture's values left in the
+    kernels' buffers and passed its check (greedy tokens then went wrong). Now the
+    buffers are poisoned first: no graph, one warning naming torch, the right tokens."""
+    from compilecore import wrapper_codegen
+
+    def passthrough(self, name, call_args):
+        return super(wrapper_codegen._HookedCalls, self).wrap_kernel_call(name, call_args)
+
+    monkeypatch.setattr(wrapper_codegen._HookedCalls, "wrap_kernel_call", passthrough)
+    # Inductor's cache must not hand back code written through the real hook.
+    monkeypatch.setattr(wrapper_codegen, "CODEGEN_KEY", wrapper_codegen.CODEGEN_KEY + " (off)")
+    llm = LLM(str(tiny_llama[0]), dtype="bfloat16", block_size=4,
+              compilation_config={"cache_dir": str(tmp_path)})  # fmt: skip
+    with caplog.at_level("WARNING", logger="compilecore"):
+        got = _tokens(llm)
+    assert llm.llm_engine.runner.cpu_graphs[1] is None
+    assert f"torch {torch.__version__}" in caplog.text
+    runner = compiled.llm_engine.runner
+    graph = runner.cpu_graphs.pop(1, None)
+    try:
+        runner.cpu_graphs[1] = None  # the oracle: the shared engine piece by piece
+        assert got == _tokens(compiled)
+    finally:
+        runner.cpu_graphs[1] = graph
 
 
 # A test op whose declared entry is whatever call a test puts in _DECLARED[index] (or the
