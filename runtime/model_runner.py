@@ -182,6 +182,7 @@ class ModelRunner:
         self.feed_src = torch.zeros(max_seqs, dtype=torch.long, device=dev)
         self._feed: Feed | None = None  # this step's, set by `execute`
         self.kv_caches: list[torch.Tensor] = []
+        self._warmed_attention: set[tuple[int, ...]] = set()  # layer shapes (warm_up)
         # numpy views of the same memory: filling them costs ~1 us, a torch.tensor + copy_
         # ~10 us, and a decode step fills six.
         # On a GPU the same views are of pinned host buffers, copied with non_blocking=True:
@@ -274,11 +275,16 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
+        warm_up = getattr(self.attn_backend, "warm_up", None)  # kernels compiled per shape
         for layer in self.attention_layers.values():
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_size)
             cache = _zeros_untouched(shape, self.dtype, self.device)
             layer.bind(self.attn_backend, cache)
             self.kv_caches.append(cache)
+            key = (layer.num_heads, *shape[2:])
+            if warm_up is not None and key not in self._warmed_attention:
+                warm_up(layer, cache)
+                self._warmed_attention.add(key)
 
     def padded_size(self, num_tokens: int) -> int:
         """CUDA graphs replay at fixed sizes: pad up to the next one (eager above)."""

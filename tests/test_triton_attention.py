@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from runtime import LLM, SamplingParams
 from runtime.attention import TorchPagedAttentionBackend
 from runtime.attention.triton_paged import (
+    SPLIT_VARIANTS,
     TritonPagedAttentionBackend,
     choose_num_splits,
     interpreter_problem,
+    split_variant,
 )
 from tests.attention_cases import Batch, batches, build_case, run_and_check
 
@@ -226,3 +228,36 @@ def test_step_varying_integers_are_not_specialized():
         else:  # interpreted: what the decorator was given
             free = set(kernel.kwargs.get("do_not_specialize") or ())
         assert names <= free, (kernel, free)
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.integers(1, 512), kv_heads=st.sampled_from([1, 2, 4, 8, 32]),
+       context=st.integers(1, 1 << 17), block=st.sampled_from([16, 32, 64]))  # fmt: skip
+def test_every_split_a_step_chooses_is_a_warmed_variant(tokens, kv_heads, context, block):
+    """The start-up warm-up compiles SPLIT_VARIANTS; whatever a step's batch and context,
+    the split it chooses runs one of them (no compile mid-serving)."""
+    splits = choose_num_splits(tokens, kv_heads, context, block)
+    assert split_variant(splits) in SPLIT_VARIANTS
+    assert split_variant(splits) >= splits and (splits == 1) == (split_variant(splits) == 1)
+
+
+@interpreted
+def test_the_engine_warms_every_split_variant_once_per_shape(tiny_llama, monkeypatch):
+    """Each distinct attention shape is warmed once when the KV cache is made (all
+    layers of the tiny model share one), through the real kernels, writing nothing."""
+    calls = []
+    real = TritonPagedAttentionBackend.warm_up
+
+    def counted(self, layer, kv_cache):
+        calls.append(layer)
+        before = kv_cache.clone()
+        launches = real(self, layer, kv_cache)
+        assert torch.equal(kv_cache, before) and launches == len(SPLIT_VARIANTS)
+        return launches
+
+    monkeypatch.setattr(TritonPagedAttentionBackend, "warm_up", counted)
+    llm = LLM(str(tiny_llama[0]), enforce_eager=True, attention_backend="triton",
+              kv_cache_memory=8 << 20)  # fmt: skip
+    assert len(calls) == 1
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -84,6 +84,16 @@ def choose_num_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, bloc
     return min(16, max(2, 128 // programs), blocks // 16)
 
 
+# The split counts whose kernels differ (SPLIT, and the merge's SPLIT_BLOCK: the next
+# power of two): `choose_num_splits` returns 1..16, each compiled as one of these.
+SPLIT_VARIANTS = (1, 2, 4, 8, 16)
+
+
+def split_variant(num_splits: int) -> int:
+    """The variant in SPLIT_VARIANTS whose compiled kernels run `num_splits` splits."""
+    return 1 if num_splits <= 1 else _next_pow2(num_splits)
+
+
 def prefill_tile_rows(num_heads: int, num_kv_heads: int) -> int:
     """Query tokens per prefill tile: 64 rows of (token, head) per program, at least 16
     tokens (tl.dot's smallest tile)."""
@@ -216,6 +226,28 @@ class TritonPagedAttentionBackend:
     def __init__(self, num_splits: int | None = None, prefill_tiles: bool = True):
         self.num_splits = num_splits  # None: chosen per step by choose_num_splits
         self.prefill_tiles = prefill_tiles
+
+    def warm_up(self, layer, kv_cache: torch.Tensor) -> int:
+        """Compile every decode variant for `layer`'s shapes now (each split variant and
+        its merge, on one dummy sequence over `kv_cache`'s first block, writing nothing):
+        the steps choose splits by their longest context, and a variant first met while
+        serving compiled there (0.5-2 s). Returns the launches made."""
+        heads, kv, head = layer.num_heads, layer.num_kv_heads, layer.head_size
+        block, dev = kv_cache.shape[2], kv_cache.device
+        q = torch.zeros(1, heads * head, dtype=kv_cache.dtype, device=dev)
+        meta = AttentionMetadata(
+            num_actual_tokens=1,
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
+            slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=dev),
+            block_table=torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            max_query_len=1, max_seq_len=block, num_decodes=1,
+            query_start_loc_cpu=[0, 1], seq_lens_cpu=[1],
+        )  # fmt: skip
+        for splits in SPLIT_VARIANTS:
+            paged_attention_triton(q, kv_cache, torch.empty_like(q), meta, heads, kv, head,
+                                   layer.scale, splits, self.prefill_tiles)  # fmt: skip
+        return len(SPLIT_VARIANTS)
 
     def forward(self, layer, q, k, v, output, attn_metadata: AttentionMetadata) -> None:
         meta = attn_metadata
