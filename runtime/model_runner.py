@@ -566,15 +566,21 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def capture_full_graphs(self) -> None:
+    def capture_full_graphs(self, largest_only: bool = False) -> None:
         """Capture each decode-only step size whole, largest first (CUDA, after the KV
         cache exists: the graphs hold its address). Padding sequences decode at position
-        0 and write nowhere; attention sizes its KV splits for the longest context."""
+        0 and write nowhere; attention sizes its KV splits for the longest context.
+        `largest_only`: a stand-in capture of the largest size before the KV cache is
+        sized (over the placeholder cache), so that what the graphs hold (activations,
+        logits, split-KV partials) is in the engine's own use; kept until the real
+        captures, which reuse its memory in the shared pool, are done."""
         if not self.full_graph_sizes:
             return
         start = time.perf_counter()
+        stand_in = list(self.full_graphs.values())  # alive until the captures below end
         self.full_graphs.clear()
-        for size in sorted(self.full_graph_sizes, reverse=True):
+        sizes = sorted(self.full_graph_sizes, reverse=True)
+        for size in sizes[:1] if largest_only else sizes:
             _, meta = self._load(pad_decode_plan(StepPlan(), size))
             meta.max_seq_len = self.config.model_config.max_model_len
 
@@ -585,6 +591,7 @@ class ModelRunner:
 
             self.full_graphs[size] = FullCudaGraph(step, self.config)
         torch.cuda.synchronize(self.device)
+        del stand_in
         logger.info("captured full decode graphs for %d sizes in %.1f s",
                     len(self.full_graphs), time.perf_counter() - start)  # fmt: skip
 

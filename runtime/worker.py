@@ -119,17 +119,21 @@ class Worker:
 
     def prepare(self) -> None:
         """Everything that takes device memory before the KV cache, once: compile (or
-        load), a profiling forward over the token budget, CUDA-graph capture. The
-        capture reads a one-block placeholder cache; init_cache replaces it (attention
-        runs outside the graphs and reads the layer's cache on every call)."""
+        load), a profiling forward over the token budget, CUDA-graph capture (pieces, and
+        the largest whole step as a stand-in). The captures read a one-block placeholder
+        cache; init_cache replaces it (attention runs outside the piecewise graphs and
+        reads the layer's cache on every call; the whole steps are captured again)."""
         if self._prepared:
             return
         self._prepared = True
-        if self.runner.capture_sizes:
+        if self.runner.capture_sizes or self.runner.full_graph_sizes:
             self.runner.initialize_kv_cache(1)
         self.compile_seconds = self.runner.warm_up()
         self.activation_peak = self.runner.profile_run()
         self.runner.capture_cuda_graphs()
+        # The whole-step graphs' memory, before the KV cache is sized (they are captured
+        # again over the real cache, into the memory this stand-in holds).
+        self.runner.capture_full_graphs(largest_only=True)
 
     def kv_budget_bytes(self) -> int:
         cache = self.config.cache_config
