@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from passes import native, native_calls
 from passes.native_calls import NativeCall
+from passes.ops.quant_layout import GROUPS_PER_SUPER, groups_of, is_compact
 from passes.ops.triton_utils import HAS_TRITON
 
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
@@ -51,22 +52,6 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # below 16, the CPU graphs' largest batch, whose replays take team calls only.
 MAX_KERNEL_ROWS = MappingProxyType({4: 32, 8: 128})
 BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
-
-
-# Compact fields by dtype: groups a super-block (whose fp32 scale follows the row's bytes).
-GROUPS_PER_SUPER = MappingProxyType({torch.uint8: 8, torch.int8: 16})  # Q4_K's, Q6_K's
-
-
-def is_compact(field: torch.Tensor) -> bool:
-    return field.dtype in GROUPS_PER_SUPER
-
-
-def groups_of(scales: torch.Tensor) -> int:
-    """Groups a row of this scales field covers (compact: G bytes, then G/8 or G/16 fp32)."""
-    if not is_compact(scales):
-        return scales.shape[-1]
-    per = GROUPS_PER_SUPER[scales.dtype]
-    return scales.shape[-1] * per // (per + 4)
 
 
 def expand_compact(field: torch.Tensor) -> torch.Tensor:

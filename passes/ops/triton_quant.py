@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from passes.ops.quantized import GROUPS_PER_SUPER, groups_of
+from passes.ops.quant_layout import GROUPS_PER_SUPER, groups_of
 
 _TL_DTYPES = ("float32", "bfloat16", "float16")
 
