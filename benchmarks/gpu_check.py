@@ -200,19 +200,22 @@ def step_default_model_bf16(check: Check) -> dict:
 
 
 def step_temperature_sampling(check: Check) -> dict:
+    """Seeded samples repeat, differ by seed, and are the same with async scheduling
+    (drawn on the device, the next step launched before they are read)."""
     from runtime import SamplingParams
 
-    llm = check.llm("device")
-
-    def sample(seed: int) -> list[list[int]]:
+    def sample(seed: int, llm) -> list[list[int]]:
         params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=seed)
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
-    first, again, other = sample(7), sample(7), sample(8)
+    llm = check.llm("device")
+    first, again, other = sample(7, llm), sample(7, llm), sample(8, llm)
     if first != again:
         raise StepFailed("the same seed gave different samples")
     if first == other:
         raise StepFailed("two seeds gave the same samples")
+    if sample(7, check.llm("device async", async_scheduling=True)) != first:
+        raise StepFailed("async scheduling's seeded samples differ from the sync engine's")
     return {"samples": sum(len(t) for t in first)}
 
 
@@ -300,9 +303,17 @@ def step_times(llm, prompt: list[int], steps: int) -> dict:
 
         return call
 
+    class TimedSampler:  # the host sampler and async scheduling's draw on the device
+        def __init__(self, sampler):
+            self.draw = timed("sampler", sampler)
+            self.device_tokens = timed("sampler", sampler.device_tokens)
+
+        def __call__(self, *args):
+            return self.draw(*args)
+
     sampler = engine.sampler
     engine.executor.execute = timed("model_call", engine.executor.execute)
-    engine.sampler = timed("sampler", sampler)
+    engine.sampler = TimedSampler(sampler)
     try:
         start = time.perf_counter()
         params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)

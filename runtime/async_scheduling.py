@@ -1,13 +1,15 @@
 """Async scheduling (vLLM's `async_scheduling`): step N+1 is launched before step N's
 tokens reach the host.
 
-A step whose sampling rows are all greedy (no logprobs, no logits processing, no grammar)
-takes its argmax on the device (`greedy_tokens`) and starts copying the ids to the host;
-it is an `InflightStep` until the engine reads them. Meanwhile the scheduler plans the
-next step with each of those requests one token longer (`Request.num_pending`): the token
-whose id is still on the device. The runner writes that step's inputs as usual and then
-gathers the pending ids straight from the previous step's device tensor into `input_ids`
-(`Feed`), so no host round trip stands between two steps. After launching step N+1 the
+A step whose requests are all plain (no logprobs, no logits processing, no grammar) draws
+its tokens on the device (`Sampler.device_tokens`: greedy rows' argmax, the others'
+temperature, min-p, top-k and top-p and the exponential race, each seeded request from its
+own generator) and starts copying the ids to the host; it is an `InflightStep` until the
+engine reads them. Meanwhile the scheduler plans the next step with each of those requests
+one token longer (`Request.num_pending`): the token whose id is still on the device. The
+runner writes that step's inputs as usual and then gathers the pending ids straight from
+the previous step's device tensor into `input_ids` (`Feed`), so no host round trip stands
+between two steps. After launching step N+1 the
 engine reads step N's ids (by then computed: the device has moved on to N+1), appends
 them and applies stop conditions: one step late, as vLLM does. A request that stopped at
 step N was also computed in step N+1; that token is discarded, and the KV it wrote lies
@@ -20,17 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.cpu_sampling import NO_TOKEN
 from runtime.request import Request
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax on the logits' device, int64; `NO_TOKEN` for a row the sampler
-    could not draw from (a nan, or every logit -inf), as the host sampler gives (the first
-    +inf where there is one: argmax takes the first maximum)."""
-    tokens = logits.argmax(-1)
-    bad = logits.isnan().any(-1) | (logits.amax(-1) == float("-inf"))
-    return torch.where(bad, NO_TOKEN, tokens)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 
 from compilecore.config import EngineConfig
 from runtime import cpu_sampling
-from runtime.async_scheduling import InflightStep, greedy_tokens
+from runtime.async_scheduling import InflightStep
 from runtime.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from runtime.executor import LocalExecutor
 from runtime.model_runner import PromptLogprobRows, plan_step
@@ -140,12 +140,12 @@ class LLMEngine:
             raise
 
     def _can_pipeline(self) -> bool:
-        """Async scheduling is on and every live request samples its argmax alone (no
+        """Async scheduling is on and every live request samples on the device (no
         logprobs, logits processing, grammar or prompt logprobs): steps may overlap."""
         if not self.config.scheduler_config.async_scheduling:
             return False
         live = (*self.scheduler.running, *self.scheduler.waiting)
-        return all(r.plain_greedy and r.grammar is None
+        return all(r.plain and r.grammar is None
                    and r.sampling_params.prompt_logprobs is None for r in live)  # fmt: skip
 
     def _run_pipelined(self, out: SchedulerOutput) -> list[Request]:
@@ -158,7 +158,8 @@ class LLMEngine:
         launched = None
         if sampling:
             requests = [s.request for s in sampling]
-            launched = InflightStep(requests, greedy_tokens(logits[: len(requests)]))
+            tokens = self.sampler.device_tokens(logits[: len(requests)], requests)
+            launched = InflightStep(requests, tokens)
         self._inflight = launched
         return self._read(last) if last is not None else []
 

@@ -94,17 +94,17 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """Temperature, then min-p, top-k and top-p (renormalized after top-k): the logits of
     the tokens each row may still draw, -inf elsewhere."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = _on_device([p.temperature for p in params], device)
     logits = logits / temperature[:, None]
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        min_p = _on_device([p.min_p for p in params], device)
         probs = logits.softmax(dim=-1)
         drop = probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(drop, NEG_INF)
     if any(p.uses_top_k or p.top_p < 1.0 for p in params):
         vocab = logits.shape[-1]
-        top_k = torch.tensor([p.top_k if p.uses_top_k else vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = _on_device([p.top_k if p.uses_top_k else vocab for p in params], device)
+        top_p = _on_device([p.top_p for p in params], device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         # Every token as large as the k-th stays (vLLM's top-k keeps ties too).
         kth = sorted_logits.gather(-1, (top_k[:, None] - 1).clamp(max=vocab - 1))
@@ -115,6 +115,14 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         sorted_logits = sorted_logits.masked_fill(drop, NEG_INF)
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
     return logits
+
+
+def _on_device(values: list, device: torch.device) -> torch.Tensor:
+    """A step's per-row values as a tensor on `device`, with no host sync: a CUDA copy from
+    pinned memory is queued behind the step in flight, where one from pageable memory
+    would wait for it (async scheduling launches the next step meanwhile)."""
+    t = torch.tensor(values)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def argmax_rows(view: np.ndarray) -> list[int]:
@@ -169,6 +177,16 @@ class Sampler:
             return self._sample_cpu(self._numpy(logits), requests, eos_ids)
         return self._sample_torch(logits, requests, eos_ids)
 
+    def device_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The tokens of rows whose requests are all `plain` (no logprobs, no logits
+        processing), int64 on the logits' device: on a GPU nothing is read back to the
+        host, so async scheduling launches the next step before they are read. On CPU,
+        the host sampler's (no device to wait for; the same draws as without async
+        scheduling)."""
+        if logits.device.type == "cpu":
+            return torch.tensor(self(logits, requests).token_ids)
+        return self._draw(logits.float(), requests)
+
     def _sample_torch(
         self, logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]
     ) -> SamplerOutput:
@@ -179,14 +197,22 @@ class Sampler:
         if any(p.has_logits_processing or p.min_tokens for p in params):
             logits = logits.clone()
             process_logits(logits, requests, eos_ids)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        tokens = logits.argmax(dim=-1)
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            chosen = [requests[i] for i in random_rows]
-            tokens[rows] = self._sample(logits[rows], chosen)
-        token_list = _degenerate_rows(logits, tokens).tolist()
+        token_list = self._draw(logits, requests).tolist()
         return SamplerOutput(token_list, self._logprobs(raw, params, token_list))
+
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's token, int64 on the logits' device, with no value read back to the
+        host: greedy rows' argmax, the others' exponential race, and the degenerate rows'
+        token where a row has no distribution."""
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if len(random_rows) == len(requests):
+            tokens = self._sample(logits, requests)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if random_rows:
+                rows = _on_device(random_rows, logits.device)
+                tokens[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
+        return _degenerate_rows(logits, tokens)
 
     def _sample_cpu(
         self, raw: np.ndarray, requests: list[Request], eos_ids: frozenset[int]

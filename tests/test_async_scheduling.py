@@ -11,12 +11,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from compilecore import testing
 from runtime import LLM, SamplingParams
-from runtime.async_scheduling import greedy_tokens
 from runtime.cpu_sampling import degenerate_row_token
 from runtime.request import Request
+from runtime.sampler import Sampler
 
 pytestmark = pytest.mark.slow
 ENGINE = {"dtype": "float32", "block_size": 4, "max_model_len": 96}
@@ -90,17 +91,38 @@ def test_stop_strings_and_the_model_length_one_step_late(engines):
     assert fast.llm_engine.num_fed_steps - before == 4
 
 
+def test_sampled_requests_draw_on_the_device_as_the_sync_engine_does(engines):
+    """Seeded requests with temperature, top-k, top-p and min-p beside a greedy one: every
+    step after the first is fed on the device (none waits for the host), and each request
+    gets the sync engine's tokens."""
+    fast, oracle = engines
+    prompts = [[5, 17, 42], [9, 8, 7, 6], [11, 12], [100, 3]]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.3, top_k=20, top_p=0.9, min_p=0.02, seed=11,
+                             max_tokens=15, ignore_eos=True),
+              SamplingParams(temperature=0.6, top_p=0.5, seed=5, max_tokens=9,
+                             ignore_eos=True)]  # fmt: skip
+    before = fast.llm_engine.num_fed_steps
+    assert _outputs(fast, prompts, params) == _outputs(oracle, prompts, params)
+    assert fast.llm_engine.num_fed_steps - before == 14  # 15 steps: a prefill, 14 fed
+    assert _all_blocks_free(fast)
+
+
 def test_a_request_that_samples_on_the_host_drains_the_pipeline(engines):
-    """Greedy requests with a sampled one (seeded) and one asking for logprobs: while
-    such a request lives, steps sample on the host (after reading the step in flight);
-    every output equals the sync engine's."""
+    """Greedy and sampled requests with one asking for logprobs: while it lives, steps
+    sample on the host (after reading the step in flight); every output equals the sync
+    engine's."""
     fast, oracle = engines
     prompts = [[5, 17, 42], [9, 8, 7, 6], [11, 12], [100, 3]]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)]  # fmt: skip
+    before = fast.llm_engine.num_fed_steps
     assert _outputs(fast, prompts, params) == _outputs(oracle, prompts, params)
+    # Step 10, the first after it finished, starts the pipeline; steps 11-15 are fed.
+    assert fast.llm_engine.num_fed_steps - before == 15 - 10
     assert _all_blocks_free(fast)
 
 
@@ -141,14 +163,84 @@ def test_an_abort_while_a_step_is_in_flight(engines):
     assert _all_blocks_free(fast)
 
 
-def test_greedy_tokens_give_the_host_samplers_degenerate_rows():
-    logits = torch.randn(5, 32)
+def _rows(params: list[SamplingParams]) -> list[Request]:
+    return [Request(f"row-{i}", [1, 2], p) for i, p in enumerate(params)]
+
+
+def _degenerate_logits() -> torch.Tensor:
+    logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
     logits[1, 7] = float("nan")
     logits[2] = float("-inf")
     logits[3, 4] = logits[3, 9] = float("inf")
-    got = greedy_tokens(logits).tolist()
-    assert got[0] == int(logits[0].argmax()) and got[4] == int(logits[4].argmax())
+    return logits
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_device_draws_give_the_host_samplers_degenerate_rows(temperature):
+    """A row with a nan, one all -inf and one with two +inf: the device draw gives the
+    token the host sampler gives, greedy or sampled."""
+    logits = _degenerate_logits()
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(5)]
+    got = Sampler()._draw(logits, _rows(params)).tolist()
+    if temperature == 0:
+        assert got[0] == int(logits[0].argmax()) and got[4] == int(logits[4].argmax())
     assert got[1:4] == [degenerate_row_token(logits[i].numpy()) for i in (1, 2, 3)]
+
+
+class _HostReads(TorchDispatchMode):
+    """The ops that hand a value computed on the device to the host (each waits for the
+    device to reach it)."""
+
+    READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim",
+             "equal", "is_nonzero", "item"}  # fmt: skip
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        indices = args[1] if name.startswith("index") and len(args) > 1 else ()
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
+            name = "nonzero"  # a mask index counts its rows on the host
+        self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_device_draws_read_nothing_back():
+    """Greedy and sampled rows (every filter): the draw calls no op that reads a device
+    value on the host, and gives what the sync sampler gives for the same seeds."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0),
+              SamplingParams(temperature=0.9, seed=4),
+              SamplingParams(temperature=1.2, top_k=30, top_p=0.8, min_p=0.01, seed=5),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0.5, top_p=0.3, seed=6),
+              SamplingParams(temperature=2.0, top_k=3, seed=7)]  # fmt: skip
+    with _HostReads() as mode:
+        got = Sampler()._draw(logits, _rows(params))
+    assert mode.names and not _HostReads.READS.intersection(mode.names), mode.names
+    want = Sampler()._sample_torch(logits, _rows(params), frozenset()).token_ids
+    assert got.tolist() == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_tokens_do_not_synchronize_on_a_gpu():
+    """On a GPU the draw of sampled rows queues behind the step with no host sync
+    (torch's sync debug mode raises on one), with the sync sampler's tokens."""
+    logits = torch.randn(4, 5000, device="cuda")
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=4),
+              SamplingParams(temperature=1.2, top_k=30, top_p=0.8, min_p=0.01, seed=5),
+              SamplingParams(temperature=0.5, top_p=0.3, seed=6)]  # fmt: skip
+    Sampler().device_tokens(logits, _rows(params))  # first use: generators, pinned pool
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = Sampler().device_tokens(logits, _rows(params))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = Sampler()._sample_torch(logits, _rows(params), frozenset()).token_ids
+    assert got.tolist() == want
 
 
 def test_async_scheduling_runs_one_process(tiny_llama):
