@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,11 +60,13 @@ MAX_ARGS = 96  # arguments of one recorded call (Inductor kernels of one piece: 
 class CpuGraphUnsupported(RuntimeError):
     """The forward does something a replay could not repeat (the reason says what).
     `transient`: code was compiled during the capture, which the next capture at this
-    size will find compiled."""
+    size will find compiled. `alarming`: not a limit of CPU graphs but a sign that this
+    torch's code went around the recording (worth a warning)."""
 
-    def __init__(self, reason: str, transient: bool = False):
+    def __init__(self, reason: str, transient: bool = False, alarming: bool = False):
         super().__init__(reason)
         self.transient = transient
+        self.alarming = alarming
 
 
 def _executor_source() -> str:
@@ -269,10 +272,39 @@ def capture(fn: Callable[[], Any], cache_root: Path) -> tuple[Any, CpuGraph]:
         _CAPTURES.remove(cap)
 
 
+class _KernelsRun:
+    """Counts the Inductor kernels this thread calls, through the hook or not (the
+    profiler's C-call events): the recording must hold as many. A torch whose wrapper
+    calls kernels some other way than `wrap_kernel_call` would otherwise leave them out
+    of the graph silently (tests/test_cpu_graph.py, the pass-through hook)."""
+
+    def __enter__(self) -> _KernelsRun:
+        self.count, self.saved = 0, sys.getprofile()
+        sys.setprofile(self._event)
+        return self
+
+    def _event(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and _is_inductor_kernel(arg):
+            self.count += 1
+        if self.saved is not None:
+            self.saved(frame, event, arg)
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(self.saved)
+
+
 def _capture(fn: Callable[[], Any], cap: _Capture, cache_root: Path) -> tuple[Any, CpuGraph]:
     known = len(_inductor_modules())
-    with _RefuseCompute(cap):
+    with _RefuseCompute(cap), _KernelsRun() as ran:
         result = fn()
+    recorded = sum(what.startswith("Inductor kernel") for what, _, _ in cap.described)
+    if cap.failure is None and ran.count != recorded:
+        raise CpuGraphUnsupported(
+            f"{ran.count} Inductor kernels ran and {recorded} were recorded: torch "
+            f"{torch.__version__}'s wrapper calls kernels around compilecore's hook "
+            "(compilecore/wrapper_codegen.py)",
+            alarming=True,
+        )
     # Something compiled during the capture (its own ops ran, or its code had not run
     # before): the next capture at this size finds it compiled.
     transient = len(_inductor_modules()) > known

@@ -7,9 +7,11 @@ version counter, so they are made again on their next use.
 What it notices, per parameter and buffer: the object replaced (`module.weight = ...`,
 `load_state_dict(assign=True)`), its storage replaced (`p.data = t`: the address), and
 any write through torch to the tensor or a view of it (`copy_`, `load_state_dict`,
-arithmetic under `torch.no_grad()`: the tensor's version counter). A write through the
-`.data` alias (`p.data.copy_(t)`) moves no counter (torch does not track it, by design):
-after one, call `mark_weights_changed(model)` (`load_weights` does), or
+arithmetic under `torch.no_grad()`: the tensor's version counter). Torch's `.data` is an
+alias with a counter of its own (autograd must not see writes through it), so the watch
+makes each parameter it sees a `WatchedParameter`, whose `.data` shares the counter:
+`p.data.mul_(2)` is noticed too. A write torch cannot see at all (through a numpy view
+or a raw pointer) needs `mark_weights_changed(model)` (`load_weights` calls it), or
 `mark_weights_changed()` for every model.
 
 Each watch looks at its own model only: one engine's edits never make another engine
@@ -28,6 +30,29 @@ from compilecore.recipe import marks, module_marks, note_weights_seen_changed, r
 _VERSION = operator.attrgetter("_version")
 
 
+class WatchedParameter(torch.nn.Parameter):
+    """A parameter whose `.data` is `detach()`: the same storage and the same version
+    counter, so a write through it moves the counter the watch compares. Setting `.data`
+    is torch's own (a new storage: the watch sees its address move)."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        torch.nn.Parameter.data.__set__(self, value)
+
+
+def watch_data_writes(tensors: list[torch.Tensor]) -> None:
+    """Every plain parameter among `tensors` becomes a `WatchedParameter` in place (its
+    class only: the same object, storage and counter; a subclass of someone else's is left
+    as it is)."""
+    for t in tensors:
+        if type(t) is torch.nn.Parameter:
+            t.__class__ = WatchedParameter
+
+
 class WeightWatch:
     """The identities, addresses and version counters of a module's parameters and
     buffers, checked in one pass (~55 us for the quantized default model's 424 tensors)."""
@@ -40,6 +65,7 @@ class WeightWatch:
     def _collect(self) -> None:
         self.registrations = registrations()
         tensors = [*self.module.parameters(), *self.module.buffers()]
+        watch_data_writes(tensors)
         self.tensors = tensors
         self.ids = tuple(map(id, tensors))
         # Inference tensors have no version counter (and cannot be written in place

@@ -453,7 +453,10 @@ class ModelRunner:
             logits, graph = cpu_graph.capture(step, compile_cache_root(self.config))
         except cpu_graph.CpuGraphUnsupported as exc:
             tries = self._capture_tries[n] = self._capture_tries.get(n, 0) + 1
-            if exc.transient and tries < MAX_CAPTURE_TRIES:
+            if exc.alarming:
+                logger.warning("no CPU graph for %d tokens (%s): running piece by piece", n, exc)
+                self.cpu_graphs[n] = None
+            elif exc.transient and tries < MAX_CAPTURE_TRIES:
                 logger.info("no CPU graph for %d tokens yet (%s): next step tries again", n, exc)
             else:
                 logger.info("no CPU graph for %d tokens (%s): running piece by piece", n, exc)

@@ -211,8 +211,9 @@ def _compile(fn, args, hooked: bool):
 def test_kernels_of_code_our_backend_compiles_are_recorded_and_replayed(tmp_path):
     """While our backend compiles, Inductor writes each C++ kernel call through
     `cpu_graph.kernel_call`: the capture records it (no module global patched, no profile
-    hook). Code compiled outside that (plain `torch.compile`) calls its kernels directly
-    and a capture sees none of them."""
+    hook). Code compiled outside that (plain `torch.compile`) calls its kernels directly:
+    the capture counts them run and not recorded, and refuses as a sign of a torch that
+    bypasses the hook."""
     from torch._inductor.codegen import common
 
     def f(x, y):  # two kernels: a reduction, then a pointwise op over it
@@ -229,19 +230,26 @@ def test_kernels_of_code_our_backend_compiles_are_recorded_and_replayed(tmp_path
     assert torch.equal(graph.replay()[0], out)
     torch.testing.assert_close(out, f(x, y)[0])
     assert torch.equal(out, ours(x, y)[0])
-    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="nothing was recorded"):
+    with pytest.raises(cpu_graph.CpuGraphUnsupported, match="kernels ran and 0 were") as err:
         cpu_graph.capture(lambda: theirs(x, y), tmp_path)
+    assert err.value.alarming
 
 
+@pytest.mark.parametrize("counted", [True, False])
 def test_a_hook_that_records_no_kernel_yields_no_graph_and_the_right_tokens(
-    compiled, tiny_llama, tmp_path, monkeypatch, caplog
+    compiled, tiny_llama, tmp_path, monkeypatch, caplog, counted
 ):
     """What a torch release that routes Inductor's kernel calls elsewhere would do: the
     hook passes the calls through unrecorded. The capture still records the attention
-    calls, and before `CpuGraph.verify` the replay read the capture's values left in the
-    kernels' buffers and passed its check (greedy tokens then went wrong). Now the
-    buffers are poisoned first: no graph, one warning naming torch, the right tokens."""
+    calls, and its replay read the capture's values left in the kernels' buffers and
+    passed its check (greedy tokens then went wrong). Now the capture counts the
+    Inductor kernels that ran against those recorded: no graph, one warning naming torch,
+    the right tokens. With the count blinded (`counted=False`), the graph's first replay,
+    checked against the step run piece by piece, refuses it the same way."""
     from compilecore import wrapper_codegen
+
+    if not counted:
+        monkeypatch.setattr(cpu_graph._KernelsRun, "_event", lambda self, *event: None)
 
     def passthrough(self, name, call_args):
         return super(wrapper_codegen._HookedCalls, self).wrap_kernel_call(name, call_args)
@@ -255,6 +263,7 @@ def test_a_hook_that_records_no_kernel_yields_no_graph_and_the_right_tokens(
         got = _tokens(llm)
     assert llm.llm_engine.runner.cpu_graphs[1] is None
     assert f"torch {torch.__version__}" in caplog.text
+    assert ("kernels ran" if counted else "first replay differs") in caplog.text
     runner = compiled.llm_engine.runner
     graph = runner.cpu_graphs.pop(1, None)
     try:
@@ -566,9 +575,10 @@ def test_every_way_of_editing_weights_reaches_every_graph(tiny_llama, tmp_path):
     batch-1 greedy head reads an int8 screen of its weight: after any edit of the weights
     in place, each must follow (compilecore/weight_watch.py). The oracle is a new engine on
     a checkpoint of the edited weights; the edits alternate between the flipped weights
-    and the original ones, so each path is seen to take effect. `load_weights` copies
-    through `.data` (as a trainer's weight sync does) and calls `mark_weights_changed`
-    itself; a user's write through `.data` needs that call (torch counts no version)."""
+    and the original ones, so each path is seen to take effect. A write through `.data`
+    (torch's alias counts no version) is seen because the watch's parameters share the
+    counter with their `.data`; a write torch cannot see (through a numpy view) needs
+    `mark_weights_changed`. After `assign`, the new parameters are watched the same way."""
     import shutil
 
     from safetensors.torch import save_file
@@ -610,8 +620,9 @@ def test_every_way_of_editing_weights_reaches_every_graph(tiny_llama, tmp_path):
 
         return apply
 
-    def data_then_mark(target):
-        each(lambda n, p, t: p.data.copy_(t))(target)
+    def numpy_then_mark(target):  # numpy has no bf16: the bits as int16
+        bits = lambda x: x.detach().view(torch.int16).numpy()  # noqa: E731
+        each(lambda n, p, t: bits(p).__setitem__(..., bits(t)))(target)
         mark_weights_changed()
 
     edits = {
@@ -622,7 +633,12 @@ def test_every_way_of_editing_weights_reaches_every_graph(tiny_llama, tmp_path):
         "copy_": each(lambda n, p, t: p.copy_(t)),
         "arithmetic": each(lambda n, p, t: p.mul_(0).add_(t)),
         ".data =": each(lambda n, p, t: setattr(p, "data", t.clone())),
-        ".data.copy_ + mark_weights_changed": data_then_mark,
+        ".data.copy_": each(lambda n, p, t: p.data.copy_(t)),
+        "load_state_dict(assign=True)": lambda target: model.load_state_dict(
+            {n: t.clone() for n, t in target.items()}, strict=False, assign=True
+        ),
+        ".data.mul_, .data.add_": each(lambda n, p, t: p.data.mul_(0).add_(t)),
+        "numpy view + mark_weights_changed": numpy_then_mark,
     }
     for i, (path, edit) in enumerate(edits.items()):
         target = "edited" if i % 2 == 0 else "original"
@@ -636,7 +652,7 @@ def test_every_way_of_editing_weights_reaches_every_graph(tiny_llama, tmp_path):
             assert fresh.llm_engine.runner.cpu_graphs[size] is fresh_graph
     assert llm.llm_engine.runner.cpu_graphs[size] is not old_graph  # recorded again
     llm.llm_engine.runner.cpu_graphs.update(dict.fromkeys(llm.llm_engine.runner.cpu_graphs))
-    assert tokens(llm) == want["original"]  # piece by piece from now
+    assert tokens(llm) == want[target]  # piece by piece from now
 
 
 def test_two_engines_stepping_on_two_threads_each_get_their_solo_results(compiled, tmp_path):
