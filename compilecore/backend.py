@@ -96,8 +96,12 @@ def _concretize(args: Sequence[Any], size: int, mode: FakeTensorMode) -> list[An
 # Code for a static token count (batch-1 decode on CPU): every pointwise value that feeds
 # a reduction is computed once into its own (tiny) buffer instead of being recomputed
 # inside the reduction's loop for every output row, so the GEMV loops only stream weights
-# (benchmarks/NOTES.md, section 12).
+# (benchmarks/NOTES.md, section 12). Not where Inductor dequantizes weights itself (no
+# native quantized product): a dequantized weight is such a value, and it would be
+# written out whole in fp32 every step (the default Q4_1 model at batch 1 on an AVX2 CPU:
+# 6.6 tok/s with the option, 8.5 without).
 STATIC_SIZE_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 0}
+_DEQUANTIZE_OPS = (["compilecore", "dequantize_q4"], ["compilecore", "dequantize_q8"])
 
 
 class PiecewiseBackend:
@@ -152,13 +156,24 @@ class CompilecoreBackend:
         cc = self.config.compilation_config
         return bool(cc.debug_dump_path) or cc.passes.verify
 
-    def inductor_options(self, static: bool = False) -> dict[str, Any]:
-        patches = dict(STATIC_SIZE_OPTIONS if static else {})
+    def inductor_options(
+        self, static: bool = False, gm: fx.GraphModule | None = None
+    ) -> dict[str, Any]:
+        realize = static and not (gm is not None and self._inductor_dequantizes(gm))
+        patches = dict(STATIC_SIZE_OPTIONS if realize else {})
         patches.update(self.config.compilation_config.inductor_options)
         patches["post_grad_custom_pre_pass"] = self.pass_manager
         if self.must_run_passes:
             patches["force_disable_caches"] = True
         return {"config_patches": patches}
+
+    def _inductor_dequantizes(self, gm: fx.GraphModule) -> bool:
+        """Whether the graph dequantizes a weight that no native product takes over (the
+        `quantized_linear` pass off here), leaving it to Inductor's own loops."""
+        if self.pass_manager.switches.get("quantized_linear"):
+            return False
+        targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        return any(t.split(".")[:2] in _DEQUANTIZE_OPS for t in targets)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         compilation_counter.num_graphs_seen += 1
@@ -334,7 +349,7 @@ class CompilecoreBackend:
                     piece.graph,
                     args,
                     dynamic_shapes="from_tracing_context" if dynamic else "from_example_inputs",
-                    options=self.inductor_options(static=not dynamic),
+                    options=self.inductor_options(static=not dynamic, gm=piece.graph),
                 )
         finally:
             quiet.setLevel(level)

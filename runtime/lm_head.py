@@ -7,7 +7,10 @@ in the model file (which keeps vLLM's contract: a `LogitsProcessor` and nothing 
 - more rows: `compilecore.packed_mm` on a copy of the weight packed once, as the
   `packed_linear` pass runs the model's own products;
 - a quantized head (a GGUF's Q8_0 or Q6_K): its own product on the blocks, with int8
-  activations where `int8_activations` gives them to the model's q8 products.
+  activations where `int8_activations` gives them to the model's q8 products; where our
+  quantized kernels do not run (`native_kernels=False`, or a CPU they are not built for),
+  the compiler's own: one row as a reduction Inductor fuses the dequantization into,
+  more rows the reference dequantization and a GEMM.
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from compilecore.compiled_function import StaticShapeFunction
 from compilecore.config import EngineConfig
 from models.layers.logits_processor import LogitsProcessor
-from passes.ops import gemv, packed_linear
+from passes.ops import gemv, layer_kernels, packed_linear, quantized
 
 
 def batched_lm_head(engine_config: EngineConfig) -> Callable | None:
@@ -44,6 +48,40 @@ def small_batch_lm_head(engine_config: EngineConfig) -> Callable | None:
     return StaticShapeFunction(gemv.gemv_logits_reduction, engine_config)
 
 
+def q4_logits_reduction(x, w, scales, mins):
+    """A Q4 head's small-batch product in fp32, the dequantization inside the reduction."""
+    values = quantized.dequantize_q4_ref(w, scales, mins, torch.float32)
+    return (x.float().unsqueeze(1) * values.unsqueeze(0)).sum(-1)
+
+
+def q8_logits_reduction(x, w, scales):
+    """A Q8_0 (or Q6_K) head's small-batch product in fp32, likewise."""
+    values = quantized.dequantize_q8_ref(w, scales, torch.float32)
+    return (x.float().unsqueeze(1) * values.unsqueeze(0)).sum(-1)
+
+
+def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
+    """The quantized head's product where the model's quantized products are the
+    compiler's (the `quantized_linear` pass off: `native_kernels=False`, or our kernels
+    not built for this CPU): no native op, and one row fused, not the whole head
+    dequantized every step."""
+    cc = engine_config.compilation_config
+    if engine_config.device.type != "cpu" or cc.mode == "none":
+        return None
+    if cc.passes.resolved("cpu", layer_kernels.available())["quantized_linear"]:
+        return None
+    small = {4: StaticShapeFunction(q4_logits_reduction, engine_config),
+             8: StaticShapeFunction(q8_logits_reduction, engine_config)}  # fmt: skip
+
+    def product(x, fmt, fields, bias):
+        if x.shape[0] <= LogitsProcessor.SMALL_BATCH and bias is None:
+            return small[fmt.bits](x, *fields)
+        dequantize = quantized.dequantize_q4_ref if fmt.bits == 4 else quantized.dequantize_q8_ref
+        return F.linear(x.float(), dequantize(*fields, torch.float32), bias)
+
+    return product
+
+
 def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> None:
     """Give every `LogitsProcessor` of `model` this engine's LM head kernels."""
     small, batched = small_batch_lm_head(engine_config), batched_lm_head(engine_config)
@@ -56,7 +94,9 @@ def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> Non
         and cc.passes.int8_x(device)
         and cc.passes.resolved(device)["quantized_linear"]
     )
+    quantized_head = compiled_quantized_head(engine_config)
     for module in model.modules():
         if isinstance(module, LogitsProcessor):
             module.small_batch_gemv, module.linear = small, batched
             module.int8_activations = bool(int8)
+            module.quantized_product = quantized_head

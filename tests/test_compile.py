@@ -392,3 +392,35 @@ def test_branching_on_the_token_count_is_named_as_the_rule(tmp_path):
     model = BranchesOnTokenCount(engine_config=_silly_config(tmp_path))
     with pytest.raises(DataDependentShapeError, match="may not depend on the token count.*debug"):
         model(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("quantized_linear", [False, True])
+def test_static_size_code_leaves_inductors_dequantization_unrealized(tmp_path, quantized_linear):
+    """Code for a static token count realizes every pointwise value that feeds a reduction
+    (the activations, computed once), except in a piece where Inductor dequantizes a weight
+    itself (no native quantized product takes it): there the dequantized weight is such a
+    value, and realized it would be written out whole in fp32 every step."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import passes.ops.quantized  # noqa: F401 - registers compilecore.dequantize_q4
+    from compilecore.backend import STATIC_SIZE_OPTIONS, CompilecoreBackend
+    from passes.config import PassConfig
+    from passes.manager import PostGradPassManager
+
+    x, w = torch.randn(1, 32), torch.randint(0, 255, (8, 16), dtype=torch.uint8)
+    s, m = torch.rand(8, 1, dtype=torch.float16), torch.rand(8, 1, dtype=torch.float16)
+
+    def layer(x, w, s, m):
+        return x @ torch.ops.compilecore.dequantize_q4(w, s, m, torch.float32).T
+
+    quantized = make_fx(layer)(x, w, s, m)
+    plain = make_fx(lambda x, w: x @ w.T)(x, torch.randn(8, 32))
+    manager = PostGradPassManager(PassConfig(quantized_linear=quantized_linear))
+    backend = CompilecoreBackend(_silly_config(tmp_path), "test", manager)
+
+    def realizes(static: bool, gm) -> bool:
+        patches = backend.inductor_options(static=static, gm=gm)["config_patches"]
+        return STATIC_SIZE_OPTIONS.items() <= patches.items()
+
+    assert realizes(True, plain) and not realizes(False, plain)
+    assert realizes(True, quantized) == quantized_linear

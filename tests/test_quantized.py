@@ -633,9 +633,10 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
     # k_mix in fp32: this model's logits (~4) move by more than HF's near-tie margin under
     # bf16 activations, and eager in bf16 rounds the K-quants' values (fp32 scales).
     dtype = "float32" if layers == "k_mix" else "auto"
-    runs = [(True, False), (False, False)] + [(False, True)] * (layers == "q8_0")
-    for eager, int8 in runs:  # (enforce_eager, int8_activations)
-        passes = {"int8_activations": int8}
+    runs = [(True, False, True), (False, False, True)]
+    runs += [(False, True, True), (False, False, False)] * (layers == "q8_0")
+    for eager, int8, native in runs:  # (enforce_eager, int8_activations, native_kernels)
+        passes = {"int8_activations": int8, "native_kernels": native}
         llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128,
                   dtype=dtype, compilation_config={"passes": passes})  # fmt: skip
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
@@ -652,6 +653,48 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
         assert sum(checked for _, checked in wanted) >= 25, "near ties too early"
         for got, (want, checked) in zip(outs[2], wanted):
             assert got[:checked] == want[:checked]
+        # native_kernels=False: the compiler's products, the (tied Q8_0) head included.
+        wanted = [hf_greedy_checked(oracle, p, 12, 0.02) for p in prompts]
+        for got, (want, checked) in zip(outs[3], wanted):
+            assert got[:checked] == want[:checked]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_compilers_quantized_head_calls_no_native_op(tiny_llama, tmp_path, name, rows):
+    """Where the quantized products are the compiler's (`native_kernels=False`, or a CPU
+    our kernels are not built for), so is the quantized LM head's: one row a compiled
+    reduction over the blocks, more the reference dequantization and a GEMM; no
+    `compilecore` op runs, and the logits are the reference's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from runtime.llm import build_engine_config
+    from runtime.lm_head import compiled_quantized_head
+
+    config = build_engine_config(str(tiny_llama[0]), compilation_config={
+        "passes": {"native_kernels": False}, "cache_dir": str(tmp_path)})  # fmt: skip
+    product = compiled_quantized_head(config)
+    fmt = quantization_config(name).default
+    g = torch.Generator().manual_seed(rows)
+    fields = tuple(quantize(torch.randn(96, 64, generator=g), fmt).values())
+    x = torch.randn(rows, 64, generator=g)
+    dequantize = quantized.dequantize_q8_ref if fmt.bits == 8 else quantized.dequantize_q4_ref
+    want = F.linear(x, dequantize(*fields, torch.float32))
+
+    class Ours(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.namespace)
+            return func(*args, **(kwargs or {}))
+
+    product(x, fmt, fields, None)  # compiled on first use
+    with Ours() as mode:
+        got = product(x, fmt, fields, None)
+    assert "compilecore" not in mode.seen
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int4_g128"])

@@ -20,7 +20,8 @@ class LogitsProcessor(nn.Module):
     to memory bandwidth and returns fp32 logits, and `linear` for more rows, a kernel on a
     weight packed once. Without them: `F.linear`. A quantized head runs its own product
     on the blocks, with int8 activations for q8 where the runtime sets
-    `int8_activations`."""
+    `int8_activations`, unless the runtime gives it `quantized_product` (the compiler's
+    own, where our kernels do not run)."""
 
     # One row: a reduction over several rows re-reads the weight per row (batch-4 decode
     # 120 -> 137 tok/s with F.linear instead, benchmarks/NOTES.md section 20).
@@ -39,6 +40,8 @@ class LogitsProcessor(nn.Module):
         self.linear = linear
         # A quantized head's q8 product may take int8 activations (the runtime's choice).
         self.int8_activations = False
+        # (x, format, fields, bias) -> fp32 logits, in place of the format's own product.
+        self.quantized_product: Callable | None = None
         # Whether this model's next logits serve only an argmax (greedy rows without
         # logprobs): the model runner sets it per step, and the batch-1 head takes it as an
         # argument. One per model: two engines stepping at once never share it.
@@ -51,10 +54,12 @@ class LogitsProcessor(nn.Module):
         # Not with a bias: a greedy step's batch-1 head may compute only the rows that can
         # win before the bias is added (passes/ops/gemv.py), and a bias can make another win.
         small = hidden_states.shape[0] <= self.SMALL_BATCH and lm_head.bias is None
-        if lm_head.quant_format is not None:  # fp32 logits, as the kernels below give
-            fields = quant_fields(lm_head)
-            logits = lm_head.quant_format.product(hidden_states, fields, lm_head.bias,
-                                                  torch.float32, self.int8_activations)  # fmt: skip
+        fmt = lm_head.quant_format
+        if fmt is not None and self.quantized_product is not None:
+            logits = self.quantized_product(hidden_states, fmt, quant_fields(lm_head), lm_head.bias)
+        elif fmt is not None:  # fp32 logits, as the kernels below give
+            logits = fmt.product(hidden_states, quant_fields(lm_head), lm_head.bias,
+                                 torch.float32, self.int8_activations)  # fmt: skip
         elif self.small_batch_gemv is not None and small:
             logits = self._small_batch(lm_head, hidden_states)
         elif self.linear is not None and lm_head.bias is None:
