@@ -136,7 +136,21 @@ def describe_output(value: Any, outputs: list[Any]) -> dict[str, Any]:
 
 
 def generated_code(gm: torch.fx.GraphModule) -> str:
-    code = gm.graph.python_code(root_module="self")
+    # A parameter subclass (the weight watch's WatchedParameter) appears only as an input's
+    # annotation; written as torch.Tensor it needs no global (tests/test_compile_cache.py).
+    subclassed = [
+        n for n in gm.graph.find_nodes(op="placeholder")
+        if isinstance(n.type, type) and issubclass(n.type, torch.Tensor)
+        and n.type is not torch.Tensor
+    ]  # fmt: skip
+    saved = [n.type for n in subclassed]
+    try:
+        for n in subclassed:
+            n.type = torch.Tensor
+        code = gm.graph.python_code(root_module="self")
+    finally:
+        for n, t in zip(subclassed, saved):
+            n.type = t
     extra = set(code.globals) - set(FX_GLOBALS)
     if extra:
         raise NoRecipe(f"generated code needs globals {sorted(extra)}")

@@ -70,12 +70,13 @@ def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
         return None
     if cc.passes.resolved("cpu", layer_kernels.available())["quantized_linear"]:
         return None
-    small = {4: StaticShapeFunction(q4_logits_reduction, engine_config),
-             8: StaticShapeFunction(q8_logits_reduction, engine_config)}  # fmt: skip
+    # Q6_K's 6-bit values are q8's held in fewer bits: the q8 reduction unpacks them.
+    small = {True: StaticShapeFunction(q4_logits_reduction, engine_config),
+             False: StaticShapeFunction(q8_logits_reduction, engine_config)}  # fmt: skip
 
     def product(x, fmt, fields, bias):
         if x.shape[0] <= LogitsProcessor.SMALL_BATCH and bias is None:
-            return small[fmt.bits](x, *fields)
+            return small[fmt.bits == 4](x, *fields)
         dequantize = quantized.dequantize_q4_ref if fmt.bits == 4 else quantized.dequantize_q8_ref
         return F.linear(x.float(), dequantize(*fields, torch.float32), bias)
 

@@ -659,7 +659,7 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
             assert got[:checked] == want[:checked]
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "Q6_K", "Q4_K"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_the_compilers_quantized_head_calls_no_native_op(tiny_llama, tmp_path, name, rows):
     """Where the quantized products are the compiler's (`native_kernels=False`, or a CPU
@@ -674,11 +674,16 @@ def test_the_compilers_quantized_head_calls_no_native_op(tiny_llama, tmp_path, n
     config = build_engine_config(str(tiny_llama[0]), compilation_config={
         "passes": {"native_kernels": False}, "cache_dir": str(tmp_path)})  # fmt: skip
     product = compiled_quantized_head(config)
-    fmt = quantization_config(name).default
     g = torch.Generator().manual_seed(rows)
-    fields = tuple(quantize(torch.randn(96, 64, generator=g), fmt).values())
-    x = torch.randn(rows, 64, generator=g)
-    dequantize = quantized.dequantize_q8_ref if fmt.bits == 8 else quantized.dequantize_q4_ref
+    if name in ("Q6_K", "Q4_K"):  # a GGUF head's K-quant blocks as loaded (compact scales)
+        q6 = name == "Q6_K"
+        fmt = QuantFormat(6, 16, torch.int8) if q6 else QuantFormat(4, 32, torch.uint8)
+        fields = _q8_fields(g, 96, 256, 16, True) if q6 else _q4_fields(g, 96, 256, 32, True)
+    else:
+        fmt = quantization_config(name).default
+        fields = tuple(quantize(torch.randn(96, 256, generator=g), fmt).values())
+    x = torch.randn(rows, 256, generator=g)
+    dequantize = quantized.dequantize_q4_ref if fmt.bits == 4 else quantized.dequantize_q8_ref
     want = F.linear(x, dequantize(*fields, torch.float32))
 
     class Ours(TorchDispatchMode):
