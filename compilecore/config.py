@@ -8,6 +8,7 @@ field that is wrong.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,9 @@ class SchedulerConfig:
     # vLLM's: launch each step before the last one's tokens reach the host, while every
     # request samples greedily (runtime/async_scheduling.py); one process only.
     async_scheduling: bool = False
+    # Batch-invariant mode: a prompt is prefilled in chunks of exactly this many tokens
+    # (its last shorter), whatever else runs; a chunk that does not fit waits a step.
+    invariant_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -215,6 +219,11 @@ class CompilationConfig:
     # False: Inductor's generated code only on CPU (no pass emits our C kernels' ops and
     # the LM head is a compiled loop), the compiler's own number beside the native one.
     native_kernels: bool = True
+    # Each request's tokens and logprobs bit-identical whatever else is in its batch (vLLM's
+    # `VLLM_BATCH_INVARIANT=1`, which sets it when None): one product kernel for every row
+    # count, attention one sequence at a time, prompts chunked by their own length only,
+    # no prefix-cache hits, no static-size code. CPU only; costs measured in NOTES.
+    batch_invariant: bool | None = None
     # User passes, run after the built-in fusions: passes.GraphPass / PatternPass
     # instances or subclasses, functions graph -> int, or "module:attribute" paths.
     custom_passes: list[Any] = field(default_factory=list)
@@ -228,6 +237,10 @@ class CompilationConfig:
         self.passes = PassConfig.from_any(self.passes)
         if not self.native_kernels:
             self.passes.native_kernels = False
+        if self.batch_invariant is None:
+            self.batch_invariant = os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")
+        if self.batch_invariant:
+            self.passes.batch_invariant = True
         self.custom_passes = resolve_custom_passes(self.custom_passes)
         if self.cpu_graphs and self._cpp_wrapper():
             # Its kernels are called from C inside the wrapper, out of the capture's sight: a
@@ -285,6 +298,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         cc = self.compilation_config
+        if cc.batch_invariant:
+            self._batch_invariant()
         if cc.compile_sizes is None:
             cc.compile_sizes = list(DEFAULT_CPU_COMPILE_SIZES) if self.device.type == "cpu" else []
         sched, model = self.scheduler_config, self.model_config
@@ -293,6 +308,27 @@ class EngineConfig:
                 f"max_num_batched_tokens={sched.max_num_batched_tokens} is smaller than "
                 f"max_model_len={model.max_model_len}; enable chunked prefill or raise it"
             )
+
+    def _batch_invariant(self) -> None:
+        """What batch-invariant mode needs of the other parts; a part set against it is an
+        error naming it (tests/test_batch_invariant.py)."""
+        cc, cache, sched = self.compilation_config, self.cache_config, self.scheduler_config
+        wrong = [
+            (self.device.type != "cpu", f"device={self.device.type!r}", "runs on CPU only"),
+            (cc.mode != "piecewise", f"mode={cc.mode!r}", "needs mode='piecewise' (a pass)"),
+            (bool(cc.compile_sizes), f"compile_sizes={cc.compile_sizes}",
+             "keeps one code for every size"),
+            (cache.attention_backend not in ("auto", "torch"),
+             f"attention_backend={cache.attention_backend!r}", "needs 'torch' (or 'auto')"),
+        ]  # fmt: skip
+        for bad, setting, why in wrong:
+            if bad:
+                raise ValueError(f"batch_invariant {why}: {setting} cannot be used with it")
+        cc.compile_sizes, cache.attention_backend = [], "torch"
+        # A hit skips rows a run without it computes in another chunk: none are taken.
+        cache.enable_prefix_caching = False
+        # Decodes come first in a step: a chunk this long always fits beside them.
+        sched.invariant_chunk = max(1, sched.max_num_batched_tokens - sched.max_num_seqs)
 
     @classmethod
     def for_hf_config(cls, hf_config: Any, **parts: Any) -> EngineConfig:

@@ -48,6 +48,11 @@ CPU_NATIVE_PASSES = frozenset(
 )
 
 
+# Passes that choose a product's kernel by its row count (or emit our C kernels, whose
+# choices do): all off in batch-invariant mode.
+ROW_COUNT_PASSES = CPU_NATIVE_PASSES | {"gemv_to_reduction"}
+
+
 @dataclass
 class PassConfig:
     fuse_add_rms_norm: bool | None = None  # None: the device's default
@@ -77,6 +82,10 @@ class PassConfig:
     # False: no pass emits an op that runs our own C kernels by default on CPU (Inductor's
     # generated code only), the compiler's own number beside the native one.
     native_kernels: bool = True
+    # Batch-invariant mode (`compilation_config={"batch_invariant": True}`): every product
+    # one op whose rows do not depend on the batch (passes/batch_invariant.py), every pass
+    # that picks a kernel by the row count off.
+    batch_invariant: bool = False
 
     @classmethod
     def from_any(cls, value: PassConfig | dict | None) -> PassConfig:
@@ -98,10 +107,13 @@ class PassConfig:
         defaults = dict(DEVICE_DEFAULTS.get(device_type, DEVICE_DEFAULTS["cpu"]))
         if device_type == "cpu" and not (self.native_kernels and kernels_build):
             defaults |= dict.fromkeys(CPU_NATIVE_PASSES, False)
-        return {
+        switches = {
             name: default if getattr(self, name) is None else bool(getattr(self, name))
             for name, default in defaults.items()
-        } | {"verify": self.verify}
+        }
+        if self.batch_invariant:
+            switches |= dict.fromkeys(ROW_COUNT_PASSES, False)
+        return switches | {"verify": self.verify, "batch_invariant": self.batch_invariant}
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,10 @@ def build_passes(
         from passes.gemv_to_reduction import GemvToReductionPass
 
         passes.append(GemvToReductionPass())
+    if switches["batch_invariant"]:
+        from passes.batch_invariant import BatchInvariantPass
+
+        passes.append(BatchInvariantPass())
     # Last of the built-ins: fusion patterns above still see plain mm.
     if switches["packed_linear"] and context.device_type == "cpu":
         from passes.ops.packed_linear import available

@@ -25,6 +25,7 @@ from compilecore.compiled_function import StaticShapeFunction
 from compilecore.config import EngineConfig
 from models.layers.logits_processor import LogitsProcessor
 from passes.ops import gemv, layer_kernels, packed_linear, quantized
+from passes.ops.invariant_mm import invariant_mm
 
 
 def batched_lm_head(engine_config: EngineConfig) -> Callable | None:
@@ -83,10 +84,29 @@ def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
     return product
 
 
+def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return invariant_mm(x, w.t())
+
+
+def invariant_quantized_head(x, fmt, fields, bias):
+    """Batch-invariant mode's quantized head: the reference dequantization, then the one
+    product kernel for every row count (passes/ops/invariant_mm.py)."""
+    dequantize = quantized.dequantize_q4_ref if fmt.bits == 4 else quantized.dequantize_q8_ref
+    logits = invariant_mm(x.float(), dequantize(*fields, torch.float32).t())
+    return logits if bias is None else logits + bias
+
+
 def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> None:
     """Give every `LogitsProcessor` of `model` this engine's LM head kernels."""
-    small, batched = small_batch_lm_head(engine_config), batched_lm_head(engine_config)
     cc = engine_config.compilation_config
+    if cc.batch_invariant:  # one kernel for every row count
+        for module in model.modules():
+            if isinstance(module, LogitsProcessor):
+                module.small_batch_gemv, module.linear = None, invariant_linear
+                module.int8_activations = False
+                module.quantized_product = invariant_quantized_head
+        return
+    small, batched = small_batch_lm_head(engine_config), batched_lm_head(engine_config)
     # As the quantized_linear pass gives the model's q8 products (eager stays exact: the
     # reference for compiled).
     device = engine_config.device.type

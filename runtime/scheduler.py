@@ -81,7 +81,10 @@ class Scheduler:
             if self.max_model_len is not None and req.pending_ends_it(self.max_model_len):
                 i += 1  # its last token is on the device: nothing after it to compute
                 continue
-            num_new = min(req.num_scheduled_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req.num_scheduled_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:  # batch-invariant mode: its chunk waits for a step it fits in
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens + num_new
             ):
@@ -105,7 +108,9 @@ class Scheduler:
             remaining = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
-            num_new = min(remaining, budget)
+            num_new = self._chunk(remaining, budget)
+            if num_new == 0:
+                break
             if not self.block_manager.allocate_slots(
                 req.request_id, req.all_token_ids, num_cached + num_new, hits
             ):
@@ -118,6 +123,16 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens to compute for a request now; in batch-invariant mode a whole chunk of
+        `invariant_chunk` (or the rest) or nothing, so a prompt is cut where a run alone
+        cuts it."""
+        size = self.config.invariant_chunk
+        if size is None:
+            return min(remaining, budget)
+        chunk = min(remaining, size)
+        return chunk if chunk <= budget else 0
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)

@@ -35,13 +35,20 @@ def select_attention_backend(
     requested: str = "auto",
     cache_dir: Path | None = None,
     num_splits: int | None = None,
+    batch_invariant: bool = False,
 ) -> Any:
     """Triton on CUDA, the C++ kernels on CPU (torch if they cannot be built), unless the
     config or the environment forces one. `num_splits` forces the Triton backend's
-    split-KV decode and is refused by the others, which have none."""
+    split-KV decode and is refused by the others, which have none. `batch_invariant`:
+    the torch backend, one sequence at a time."""
     choice = os.environ.get("COMPILECORE_ATTENTION_BACKEND", requested)
     if choice not in BACKENDS:
         raise ValueError(f"unknown attention backend {choice!r}; use one of {', '.join(BACKENDS)}")
+    if batch_invariant:
+        if choice not in ("auto", "torch"):
+            raise ValueError(f"batch_invariant needs the torch attention backend, not {choice!r}"
+                             " (COMPILECORE_ATTENTION_BACKEND or attention_backend)")  # fmt: skip
+        return TorchPagedAttentionBackend(per_sequence=True)
     if choice == "auto":
         if device.type == "cuda" and triton_usable(device):
             choice = "triton"
@@ -109,6 +116,7 @@ class Worker:
             engine_config.cache_config.attention_backend,
             compile_cache_root(engine_config),
             engine_config.cache_config.attention_num_splits,
+            bool(engine_config.compilation_config.batch_invariant),
         )
         self.runner = ModelRunner(engine_config, self.model, backend)
         self.compile_seconds = 0.0

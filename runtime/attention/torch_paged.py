@@ -10,7 +10,7 @@ masks) are worked out once per step, on the first layer, and kept on the metadat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,7 @@ class _StepPlan:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] or None (one sequence)
     decode_bias: torch.Tensor | None  # the same as 0 / -inf, for adding to scores
     prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # start, end, slots, mask
+    decode_rows: list[torch.Tensor] = field(default_factory=list)  # per sequence (per_sequence)
 
 
 def _plan(meta: AttentionMetadata, block_size: int, decode: bool = True) -> _StepPlan:
@@ -86,6 +87,13 @@ def _plan(meta: AttentionMetadata, block_size: int, decode: bool = True) -> _Ste
 
 class TorchPagedAttentionBackend:
     name = "torch"
+    # Batch-invariant mode: each decode row attends in a call of its own, the call a batch
+    # of one makes (the batched path pads to the longest sequence, and its reductions run
+    # over that length).
+    per_sequence = False
+
+    def __init__(self, per_sequence: bool = False):
+        self.per_sequence = per_sequence
 
     def forward(self, layer, q, k, v, output, attn_metadata: AttentionMetadata) -> None:
         meta = attn_metadata
@@ -95,7 +103,13 @@ class TorchPagedAttentionBackend:
         kv_cache = layer.kv_cache
         plan = meta.cache.get("torch_paged")
         if plan is None:
-            plan = meta.cache["torch_paged"] = _plan(meta, kv_cache.shape[2])
+            plan = _plan(meta, kv_cache.shape[2], decode=not self.per_sequence)
+            if self.per_sequence:
+                plan.decode_rows = [
+                    token_slots(meta.block_table[i], int(meta.seq_lens_cpu[i]), kv_cache.shape[2])
+                    for i in range(meta.num_decodes)
+                ]
+            meta.cache["torch_paged"] = plan
         h, d = layer.num_heads, layer.head_size
         n, nd = meta.num_actual_tokens, meta.num_decodes
         if plan.slots_valid:
@@ -105,7 +119,11 @@ class TorchPagedAttentionBackend:
             kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slots, v[:n].reshape(n, kvh, d))
         else:
             write_kv_cache(kv_cache, k[:n], v[:n], meta.slot_mapping[:n])
-        if nd:
+        if nd and self.per_sequence:
+            for i, slots in enumerate(plan.decode_rows):
+                ks, vs = gather_slots(kv_cache, slots[None])
+                output[i] = self._decode(q[i].reshape(1, h, 1, d), ks, vs, layer.scale)[0]
+        elif nd:
             ks, vs = gather_slots(kv_cache, plan.decode_slots)  # [nd, KV, L, D]
             output[:nd] = self._decode(q[:nd].reshape(nd, h, 1, d), ks, vs, layer.scale, plan)
         self._prefill(layer, q, kv_cache, output, plan)
@@ -124,7 +142,7 @@ class TorchPagedAttentionBackend:
             output[s:e] = out.transpose(0, 1).reshape(e - s, h * d)
 
     @staticmethod
-    def _decode(q, k, v, scale: float, plan: _StepPlan) -> torch.Tensor:
+    def _decode(q, k, v, scale: float, plan: _StepPlan | None = None) -> torch.Tensor:
         """One query token per sequence: q [nd, H, 1, D], k/v [nd, KV, L, D] -> [nd, H * D].
 
         On CPU, SDPA is slow here in 16 bits with a mask (its math path, 12x the time of
@@ -132,7 +150,7 @@ class TorchPagedAttentionBackend:
         bits it is fastest in fp32 (benchmarks/NOTES.md)."""
         nd, h, _, d = q.shape
         kvh = k.shape[1]
-        if plan.decode_mask is None:  # one sequence, no padding
+        if plan is None or plan.decode_mask is None:  # one sequence, no padding
             if q.dtype != torch.float32 and k.shape[-2] <= FP32_DECODE_MAX_LEN:
                 out = sdpa(q.float(), k.float(), v.float(), scale).to(q.dtype)
             else:
