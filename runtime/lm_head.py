@@ -61,6 +61,13 @@ def q8_logits_reduction(x, w, scales):
     return (x.float().unsqueeze(1) * values.unsqueeze(0)).sum(-1)
 
 
+def reference_values(fmt, fields) -> torch.Tensor:
+    """A quantized head's values in fp32 by the reference's plain ops (no native op: the
+    compiler's and batch-invariant mode's heads)."""
+    dequantize = quantized.dequantize_q4_ref if fmt.bits == 4 else quantized.dequantize_q8_ref
+    return dequantize(*fields, torch.float32)
+
+
 def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
     """The quantized head's product where the model's quantized products are the
     compiler's (the `quantized_linear` pass off: `native_kernels=False`, or our kernels
@@ -78,8 +85,7 @@ def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
     def product(x, fmt, fields, bias):
         if x.shape[0] <= LogitsProcessor.SMALL_BATCH and bias is None:
             return small[fmt.bits == 4](x, *fields)
-        dequantize = quantized.dequantize_q4_ref if fmt.bits == 4 else quantized.dequantize_q8_ref
-        return F.linear(x.float(), dequantize(*fields, torch.float32), bias)
+        return F.linear(x.float(), reference_values(fmt, fields), bias)
 
     return product
 
@@ -91,8 +97,7 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def invariant_quantized_head(x, fmt, fields, bias):
     """Batch-invariant mode's quantized head: the reference dequantization, then the one
     product kernel for every row count (passes/ops/invariant_mm.py)."""
-    dequantize = quantized.dequantize_q4_ref if fmt.bits == 4 else quantized.dequantize_q8_ref
-    logits = invariant_mm(x.float(), dequantize(*fields, torch.float32).t())
+    logits = invariant_mm(x.float(), reference_values(fmt, fields).t())
     return logits if bias is None else logits + bias
 
 
