@@ -13,7 +13,8 @@ of 64 with graphs equal to eager; its decode with 4 KV splits forced equal to th
 default's; batch-1 decode of a 1B-class Llama with random weights (default, async
 scheduling, piecewise) as bytes read a second over the part's nominal peak (target >= 45%)
 and over what a sum reads, where its steps' host time and device time go (graph replay back
-to back, kernel sum and count); the quantized products' Triton kernel against dequantize +
+to back, kernel sum and count); decode attention at 16, 64 and 128 keys a loop trip; the
+quantized products' Triton kernel against dequantize +
 GEMM; each fusion pass on (and verified) against off; tensor parallelism 2 against 1 when
 two devices exist; the GPU-marked tests. Writes OUT/gpu_check.json and OUT/gpu_check.md (each step's
 seconds; a failed step keeps what it measured) and exits 1 naming every failed step (2
@@ -548,6 +549,64 @@ def _graph_us(fn: Callable, calls: int = 20, replays: int = 5) -> float:
     return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
+# (batch, context) of the attention step: batch 1 at the decode check's context and long.
+ATTENTION_CASES = ((1, 160), (1, 4000), (8, 1000), (32, 1000))
+
+
+def _decode_case(batch: int, context: int, device: str, block: int = 16):
+    """A decode batch on the 1B-class model's attention shape (32 heads, 8 KV heads of
+    64, bf16): q, a shuffled paged cache with every sequence at `context`, metadata."""
+    from runtime.attention.metadata import AttentionMetadata
+
+    g = torch.Generator(device=device).manual_seed(batch * 7919 + context)
+    per_seq = -(-context // block)
+    cache = torch.randn(2, batch * per_seq + 1, block, 8, 64, device=device, generator=g)
+    table = torch.randperm(batch * per_seq, device=device, generator=g).int().view(batch, -1)
+    meta = AttentionMetadata(
+        num_actual_tokens=batch,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
+        block_table=table, max_query_len=1, max_seq_len=4096, num_decodes=batch,
+        query_start_loc_cpu=list(range(batch + 1)), seq_lens_cpu=[context] * batch,
+    )  # fmt: skip
+    q = torch.randn(batch, 32 * 64, device=device, generator=g).bfloat16()
+    return q, cache.bfloat16(), meta
+
+
+def step_attention_trips(check: Check) -> dict:
+    """Decode attention (the Triton kernel and its merge, split count fixed for a 4096
+    context as a full graph's capture fixes it) at 16, 64 and 128 keys a loop trip:
+    device us per call (CUDA graphs of 20 calls), each checked against the torch
+    backend. TRIP_TOKENS is the default; this says whether it should be."""
+    if check.dry_run:
+        return {"skipped": "CUDA only (tests/test_triton_attention.py interprets the kernel)"}
+    from runtime.attention.torch_paged import TorchPagedAttentionBackend
+    from runtime.attention.triton_paged import TRIP_TOKENS, paged_attention_triton
+
+    result: dict = {"default_trip_tokens": TRIP_TOKENS}
+    for batch, context in ATTENTION_CASES:
+        q, cache, meta = _decode_case(batch, context, "cuda")
+        layer = type("Layer", (), dict(num_heads=32, num_kv_heads=8, head_size=64,
+                                       scale=64**-0.5, kv_cache=cache))()  # fmt: skip
+        kv = torch.zeros(batch, 8 * 64, dtype=q.dtype, device="cuda")  # slots -1: unwritten
+        ref = torch.empty_like(q)
+        TorchPagedAttentionBackend().forward(layer, q, kv, kv, ref, meta)
+        case = {}
+        for trip in (16, 64, 128):
+            out = torch.empty_like(q)
+            fn = functools.partial(paged_attention_triton, q, cache, out, meta, 32, 8, 64,
+                                   64**-0.5, None, True, trip)  # fmt: skip
+            fn()
+            err = (out.float() - ref.float()).abs().max().item()
+            if err > 2e-2 * max(1.0, ref.float().abs().max().item()):
+                raise StepFailed(f"batch {batch} context {context} trip {trip}: off by {err}",
+                                 result)  # fmt: skip
+            case[f"trip_{trip}_us"] = _graph_us(fn)
+        result[f"batch_{batch}_ctx_{context}"] = case
+    return result
+
+
 def step_passes_on_off(check: Check) -> dict:
     want = greedy(check.llm("device"))
     done = {}
@@ -583,6 +642,7 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("chunked_prefill", step_chunked_prefill),
     ("split_kv", step_split_kv),
     ("decode_bandwidth", step_decode_bandwidth),
+    ("attention_trips", step_attention_trips),
     ("quantized_products", step_quantized_products),
     ("quantized_decode", step_quantized_decode),
     ("passes_on_off", step_passes_on_off),

@@ -17,6 +17,7 @@ from runtime.attention.triton_paged import (
     TritonPagedAttentionBackend,
     choose_num_splits,
     interpreter_problem,
+    pages_per_trip,
     split_variant,
 )
 from tests.attention_cases import Batch, batches, build_case, run_and_check
@@ -126,6 +127,35 @@ def test_decode_launch_sized_for_the_longest_context(contexts, block, seed):
     case.meta.max_seq_len = 4096  # as FullCudaGraph's capture sets it (max_model_len)
     assert choose_num_splits(len(seqs), 2, 4096, block) > 1
     run_and_check(case, TritonPagedAttentionBackend(), 1e-4)
+
+
+@interpreted
+@settings(max_examples=10, deadline=None)
+@given(
+    contexts=st.lists(st.integers(0, 300), min_size=1, max_size=2),
+    block=st.sampled_from([16, 32]),
+    trip=st.sampled_from([16, 32, 64, 128]),
+    splits=st.integers(1, 5),
+    ratio=st.sampled_from([1, 3, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_decode_trips_of_several_pages(contexts, block, trip, splits, ratio, seed):
+    """A decode loop trip reads `trip` keys of whole pages, and a split holds whole trips
+    (a trip across a split's end would count the next split's keys twice: that mutation
+    fails here); the last trip past the sequence's end reads none of its stale NaN.
+    Any split count and group size, equal to dense attention."""
+    seqs = [(c, 1) for c in contexts]
+    batch = Batch(block_size=block, kv_heads=2, heads=2 * ratio, head_size=64, seqs=seqs,
+                  padding=1, seed=seed)  # fmt: skip
+    case = build_case(batch)
+    cache = case.layer.kv_cache
+    for i, length in enumerate(case.meta.seq_lens_cpu):  # stale NaN after each sequence
+        last = case.meta.block_table[i, (length - 1) // block].item()
+        cache[:, last, length % block or block :] = float("nan")
+    case.cache_before = cache.clone()
+    backend = TritonPagedAttentionBackend(num_splits=splits, trip_tokens=trip)
+    assert pages_per_trip(block, trip) * block == max(trip, block)
+    run_and_check(case, backend, 1e-4)
 
 
 def test_split_heuristic():

@@ -64,9 +64,15 @@ def attention_kernel(
     HEAD: tl.constexpr,
     HEAD_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAGES: tl.constexpr,
     SPLIT: tl.constexpr,
     SPLIT_MIN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
+    # One program per (query token, KV head, split). Its rows are the group's query heads
+    # (padded to tl.dot's 16); a loop trip reads PAGES pages at once, so a short context is
+    # a trip or two of independent loads rather than one dependent trip per page.
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,38 +89,46 @@ def attention_kernel(
         q_ptr + token * q_stride + heads[:, None] * HEAD + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(tl.float32)
+    )
+    if DOT_F32:
+        q = q.to(tl.float32)
     m = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_BLOCK], tl.float32)
     acc = tl.zeros([GROUP_BLOCK, HEAD_BLOCK], tl.float32)
 
     num_blocks = q_pos // BLOCK + 1
     if SPLIT:
-        # Each sequence spreads its own blocks over the launch's splits, at least SPLIT_MIN
-        # a split: read here, on the device, since a full CUDA graph's launch is fixed
-        # for the longest context while each replay's lengths differ.
+        # Each sequence spreads its own blocks over the launch's splits, whole trips of at
+        # least SPLIT_MIN blocks: read here, on the device, since a full CUDA graph's
+        # launch is fixed for the longest context while each replay's lengths differ.
         per_split = tl.maximum(tl.cdiv(num_blocks, tl.num_programs(2)), SPLIT_MIN)
+        per_split = tl.cdiv(per_split, PAGES) * PAGES
         first = split * per_split
         last = tl.minimum(first + per_split, num_blocks)
     else:
         first = 0
         last = num_blocks
-    offs = tl.arange(0, BLOCK)
-    for b in range(first, last):
-        block_id = tl.load(table_ptr + seq * table_stride + b).to(tl.int64)
-        k_pos = b * BLOCK + offs
+    t = tl.arange(0, PAGES * BLOCK)
+    for b in range(first, last, PAGES):
+        # Splits hold whole trips, so only the walk's last trip runs past `last`: its keys
+        # lie past q_pos, and the table is not read there.
+        page = b + t // BLOCK
+        block_id = tl.load(table_ptr + seq * table_stride + page, mask=page < last, other=0)
+        k_pos = b * BLOCK + t
         visible = k_pos <= q_pos
-        rows = (block_id * BLOCK + offs) * NUM_KV * HEAD + kv_head * HEAD
+        rows = (block_id.to(tl.int64) * BLOCK + t % BLOCK) * NUM_KV * HEAD + kv_head * HEAD
         kv_mask = visible[:, None] & d_mask[None, :]
-        k = tl.load(kc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(vc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP, BLOCK]
+        k = tl.load(kc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(vc_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP, PAGES*BLOCK]
         s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: a trip starts at a visible key
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]

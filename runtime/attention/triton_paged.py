@@ -4,8 +4,9 @@ Two kernels. `write_kv_cache` scatters the step's new K/V rows into the paged ca
 slot mapping (slot -1, a padding row, writes nothing). `unified_attention` serves a
 mixed batch in two launches. Decodes: one program per (query token, KV head) finds its
 sequence by binary search in `query_start_loc`, then walks that sequence's blocks up to
-its own position with an online softmax in fp32; the query heads that share a KV head
-are handled together, so K/V are loaded once per group (GQA/MQA without copies). For
+its own position, several pages a loop trip (TRIP_TOKENS keys), with an online softmax
+in fp32; the query heads that share a KV head are the rows of both products (`tl.dot`,
+padded to 16), so K/V are loaded once per group (GQA/MQA without copies). For
 long contexts at small batch, a split-KV (flash-decoding) launch spreads each token's
 blocks over several programs and a second kernel merges their partial softmaxes.
 Prefill chunks: one program per (sequence, tile of query tokens, KV head), flash-
@@ -70,9 +71,18 @@ def write_kv_cache_triton(
     )
 
 
-# The fewest tokens one split of a sequence's KV walk takes: shorter walks would cost
-# more in the merge than they save.
-SPLIT_MIN_TOKENS = 128
+# Keys a decode program reads in one loop trip (whole pages): the loads of a trip are
+# independent, so a short context costs a trip or two of memory latency, not a page each.
+TRIP_TOKENS = 64
+# The fewest tokens one split of a sequence's KV walk takes (rounded up to whole trips):
+# shorter walks would cost more in the merge than they save.
+SPLIT_MIN_TOKENS = 64
+
+
+def pages_per_trip(block_size: int, trip_tokens: int = TRIP_TOKENS) -> int:
+    """Pages a decode loop trip reads: `trip_tokens` of keys, at least one page, and at
+    least 16 keys (tl.dot's smallest tile)."""
+    return _next_pow2(max(1, trip_tokens // block_size, -(-16 // block_size)))
 
 
 def choose_num_splits(num_tokens: int, num_kv_heads: int, max_seq_len: int, block_size: int) -> int:
@@ -112,6 +122,7 @@ def paged_attention_triton(
     scale: float,
     num_splits: int | None = None,
     prefill_tiles: bool = True,
+    trip_tokens: int = TRIP_TOKENS,
 ) -> None:
     """Decodes (and, without tiles, every token) through the per-token kernel; prefill
     sequences through the tiled tl.dot kernel when the page and head allow its tiles."""
@@ -124,10 +135,20 @@ def paged_attention_triton(
     per_token = meta.num_decodes if tiles else n  # decodes come first, one token each
     if per_token:
         _per_token_attention(
-            q, kv_cache, output, meta, per_token, num_heads, num_kv_heads, head, scale, num_splits
-        )
+            q, kv_cache, output, meta, per_token, num_heads, num_kv_heads, head, scale,
+            num_splits, trip_tokens,
+        )  # fmt: skip
     if tiles and meta.num_seqs > meta.num_decodes:
         _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head, scale)
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    return dict(
+        # fp32 models want fp32 answers: TF32 would cost three decimal digits.
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        # Triton's interpreter multiplies bf16 operands as their raw uint16 bits.
+        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16,
+    )
 
 
 def _constants(num_heads: int, num_kv_heads: int, head: int, block: int) -> dict:
@@ -143,7 +164,7 @@ def _constants(num_heads: int, num_kv_heads: int, head: int, block: int) -> dict
 
 
 def _per_token_attention(
-    q, kv_cache, output, meta, n, num_heads, num_kv_heads, head, scale, num_splits
+    q, kv_cache, output, meta, n, num_heads, num_kv_heads, head, scale, num_splits, trip_tokens
 ) -> None:
     block = kv_cache.shape[2]
     if num_splits is None:
@@ -170,11 +191,16 @@ def _per_token_attention(
         table.stride(0),
         SPLIT=num_splits > 1,
         SPLIT_MIN=max(1, SPLIT_MIN_TOKENS // block),
-        # Warps follow the [group, head] tile each program holds: an MHA head of 64 (one
-        # query head per KV head) would leave half of 4 warps' lanes masked off.
-        num_warps=4 if _next_pow2(num_heads // num_kv_heads) * _next_pow2(head) >= 512 else 2,
+        PAGES=pages_per_trip(block, trip_tokens),
+        **_dot_options(q.dtype),
+        num_warps=4,
         num_stages=2,
-        **_constants(num_heads, num_kv_heads, head, block),
+        **{
+            **_constants(num_heads, num_kv_heads, head, block),
+            # tl.dot's smallest tile: the group's heads and the head padded to 16.
+            "GROUP_BLOCK": max(16, _next_pow2(num_heads // num_kv_heads)),
+            "HEAD_BLOCK": max(16, _next_pow2(head)),
+        },
     )
     if num_splits > 1:
         kernels()["merge"][(n, num_heads)](
@@ -207,10 +233,7 @@ def _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head,
         output.stride(0),
         meta.block_table.stride(0),
         BLOCK_M=tile,
-        # fp32 models want fp32 answers: TF32 would cost three decimal digits.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # Triton's interpreter multiplies bf16 operands as their raw uint16 bits.
-        DOT_F32=os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16,
+        **_dot_options(q.dtype),
         num_warps=4,
         num_stages=2,
         **_constants(num_heads, num_kv_heads, head, block),
@@ -223,9 +246,13 @@ class TritonPagedAttentionBackend:
     # device, and a decode launch is fixed by the batch size and `max_seq_len`.
     supports_full_cudagraph = True
 
-    def __init__(self, num_splits: int | None = None, prefill_tiles: bool = True):
+    def __init__(
+        self, num_splits: int | None = None, prefill_tiles: bool = True,
+        trip_tokens: int = TRIP_TOKENS,
+    ):  # fmt: skip
         self.num_splits = num_splits  # None: chosen per step by choose_num_splits
         self.prefill_tiles = prefill_tiles
+        self.trip_tokens = trip_tokens  # keys a decode loop trip reads (whole pages)
 
     def warm_up(self, layer, kv_cache: torch.Tensor) -> int:
         """Compile every decode variant for `layer`'s shapes now (each split variant and
@@ -246,7 +273,8 @@ class TritonPagedAttentionBackend:
         )  # fmt: skip
         for splits in SPLIT_VARIANTS:
             paged_attention_triton(q, kv_cache, torch.empty_like(q), meta, heads, kv, head,
-                                   layer.scale, splits, self.prefill_tiles)  # fmt: skip
+                                   layer.scale, splits, self.prefill_tiles,
+                                   self.trip_tokens)  # fmt: skip
         return len(SPLIT_VARIANTS)
 
     def forward(self, layer, q, k, v, output, attn_metadata: AttentionMetadata) -> None:
@@ -267,6 +295,7 @@ class TritonPagedAttentionBackend:
             layer.scale,
             self.num_splits,
             self.prefill_tiles,
+            self.trip_tokens,
         )
 
 
