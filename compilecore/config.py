@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -134,6 +134,57 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `speculative_config`, method "ngram" (prompt lookup): up to
+    `num_speculative_tokens` proposed per step from the request's own tokens, where its
+    last `prompt_lookup_max` .. `prompt_lookup_min` tokens occurred before
+    (runtime/spec_decode.py)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def from_any(cls, value: Any) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
+        if "model" in value:
+            raise ValueError(
+                "speculative_config: a draft model is not supported yet; use "
+                '{"method": "ngram", "num_speculative_tokens": k}'
+            )
+        unknown = sorted(set(value) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown keys {unknown}; known: "
+                f"{[f.name for f in fields(cls)]}"
+            )
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(
+                f"speculative_config method={self.method!r} is not supported; use 'ngram'"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"speculative_config {name} must be an integer >= 1, got {value!r}"
+                )
+        if not isinstance(self.prompt_lookup_max, int) or (
+            self.prompt_lookup_max < self.prompt_lookup_min
+        ):
+            raise ValueError(
+                f"speculative_config prompt_lookup_max={self.prompt_lookup_max!r} must be an "
+                f"integer >= prompt_lookup_min={self.prompt_lookup_min}"
             )
 
 
@@ -295,11 +346,14 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         cc = self.compilation_config
         if cc.batch_invariant:
             self._batch_invariant()
+        if self.speculative_config is not None:
+            self._speculative()
         if cc.compile_sizes is None:
             cc.compile_sizes = list(DEFAULT_CPU_COMPILE_SIZES) if self.device.type == "cpu" else []
         sched, model = self.scheduler_config, self.model_config
@@ -329,6 +383,19 @@ class EngineConfig:
         cache.enable_prefix_caching = False
         # Decodes come first in a step: a chunk this long always fits beside them.
         sched.invariant_chunk = max(1, sched.max_num_batched_tokens - sched.max_num_seqs)
+
+    def _speculative(self) -> None:
+        sched = self.scheduler_config
+        if sched.async_scheduling:
+            raise ValueError(
+                "speculative_config cannot be used with async_scheduling yet (a step's "
+                "proposals need its last tokens on the host): drop one of them"
+            )
+        if self.compilation_config.batch_invariant:
+            raise ValueError(
+                "speculative_config cannot be used with batch_invariant: a verification "
+                "step computes a request's tokens in other shapes than one at a time"
+            )
 
     @classmethod
     def for_hf_config(cls, hf_config: Any, **parts: Any) -> EngineConfig:

@@ -317,6 +317,7 @@ class AsyncLLM:
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting) + self._queued,
             "kv_cache_usage": scheduler.block_manager.usage(),
+            **self.engine.spec_counts,
         }
 
     def shutdown(self) -> None:

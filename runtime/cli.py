@@ -54,6 +54,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="launch each step before the last one's tokens reach the host (greedy requests)",
     )  # fmt: skip
     g.add_argument(
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help='speculative decoding (vLLM\'s flag), e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3}\'',
+    )  # fmt: skip
+    g.add_argument(
         "-O", "--compilation-config", type=_json_object, default={}, metavar="JSON",
         help='compilation_config fields as JSON (vLLM\'s flag), e.g. \'{"cudagraph_mode": '
         '"PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4]}\'',
@@ -107,6 +112,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "trust_remote_code": args.trust_remote_code,
         "async_scheduling": args.async_scheduling,
+        "speculative_config": args.speculative_config,
         "load_format": args.load_format,
         "quantization": args.quantization,
         "compilation_config": {
@@ -137,8 +143,12 @@ def _report(output) -> None:
     ttft = m.time_to_first_token or 0.0
     speed = m.decode_tokens_per_s
     speed_s = f", {speed:.1f} tok/s decode" if speed else ""
+    spec_s = ""
+    if m.num_drafts:
+        spec_s = (f", drafts accepted {m.acceptance_rate:.0%}, "
+                  f"{m.mean_acceptance_length:.2f} tokens a verification")  # fmt: skip
     print(
-        f"[{m.num_generated_tokens} tokens, first after {ttft * 1e3:.0f} ms{speed_s}]",
+        f"[{m.num_generated_tokens} tokens, first after {ttft * 1e3:.0f} ms{speed_s}{spec_s}]",
         file=sys.stderr,
     )
 

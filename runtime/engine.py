@@ -17,11 +17,12 @@ from runtime import cpu_sampling
 from runtime.async_scheduling import InflightStep
 from runtime.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from runtime.executor import LocalExecutor
-from runtime.model_runner import PromptLogprobRows, plan_step
-from runtime.outputs import Logprob
+from runtime.model_runner import DraftRows, PromptLogprobRows, plan_step
+from runtime.outputs import SPEC_COUNTS, Logprob
 from runtime.request import Request
 from runtime.sampler import NO_TOKEN, Sampler
 from runtime.scheduler import Scheduler, SchedulerOutput
+from runtime.spec_decode import Proposer, accepted_length
 from runtime.structured_output import GrammarCompilerCache
 
 logger = logging.getLogger("compilecore")
@@ -46,6 +47,11 @@ class LLMEngine:
         # how many steps took input ids from the step before on the device.
         self._inflight: InflightStep | None = None
         self.num_fed_steps = 0
+        spec = engine_config.speculative_config
+        max_len = engine_config.model_config.max_model_len
+        self.proposer = Proposer(spec, max_len) if spec is not None else None
+        # Since the start, over every request (vLLM's spec_decode counters).
+        self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)
         self.sampler = Sampler(engine_config.model_config.seed)
         if engine_config.device.type == "cpu":
             cpu_sampling.build()  # now, not at the first sampled token (~1 s on first use)
@@ -127,6 +133,9 @@ class LLMEngine:
         pipelined = self._can_pipeline()
         if self._inflight is not None and not pipelined:
             return self._read_inflight()  # a step that samples on the host waits for it
+        if self.proposer is not None:
+            for req in self.scheduler.running:
+                req.spec.drafts = self.proposer.propose(req)
         out = self.scheduler.schedule()
         if not out:
             return self._read_inflight()
@@ -149,7 +158,7 @@ class LLMEngine:
                    and r.sampling_params.prompt_logprobs is None for r in live)  # fmt: skip
 
     def _run_pipelined(self, out: SchedulerOutput) -> list[Request]:
-        plan, sampling, _ = plan_step(out, self.scheduler.block_manager)
+        plan, sampling, _, _ = plan_step(out, self.scheduler.block_manager)
         last = self._inflight
         feed = last.feed(plan.fed) if last is not None else None
         self.num_fed_steps += feed is not None
@@ -183,16 +192,29 @@ class LLMEngine:
         return finished
 
     def _run(self, out: SchedulerOutput) -> list[Request]:
-        plan, sampling, prompt_rows = plan_step(out, self.scheduler.block_manager)
+        start = time.perf_counter()
+        plan, sampling, prompt_rows, draft_rows = plan_step(out, self.scheduler.block_manager)
         logits = self.executor.execute(plan)
         self.scheduler.advance(out)
         for rows in prompt_rows:
             self._prompt_logprobs(rows, logits[rows.start : rows.start + rows.count])
-        if not sampling:
-            return []
-        requests = [s.request for s in sampling]
-        if len(requests) != len(plan.logits_rows):  # no torch call otherwise: each is cold
-            logits = logits[: len(requests)]
+        finished = []
+        for rows in draft_rows:
+            count = len(rows.drafts) + 1
+            finished += self._verify(rows, logits[rows.start : rows.start + count])
+        if sampling:
+            requests = [s.request for s in sampling]
+            if len(requests) != len(plan.logits_rows):  # no torch call otherwise: each is cold
+                logits = logits[: len(requests)]
+            finished += self._append_sampled(requests, logits)
+        if self.proposer is not None and all(
+            s.num_new_tokens - len(s.drafts) == 1 for s in out.scheduled
+        ):  # a step of decodes only: what the proposer weighs drafts against
+            self.proposer.timed(time.perf_counter() - start, bool(draft_rows))
+        return finished
+
+    def _append_sampled(self, requests: list[Request], logits) -> list[Request]:
+        """Each request's token drawn from its row, appended and checked for stops."""
         sampled = self.sampler(logits, requests, self.eos_token_ids)
         finished = []
         for req, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
@@ -212,6 +234,26 @@ class LLMEngine:
                 self._finish(req, "stop")  # the grammar took its end (EOS under ignore_eos)
                 finished.append(req)
         return finished
+
+    def _verify(self, rows: DraftRows, logits) -> list[Request]:
+        """A greedy request's drafts against its rows' tokens (runtime/spec_decode.py):
+        the accepted drafts and the token after them are appended one by one through the
+        stop checks; the computed count steps back over the rejected drafts."""
+        req, drafts = rows.request, rows.drafts
+        targets = self.sampler(logits, [req] * len(logits), self.eos_token_ids).token_ids
+        accepted = accepted_length(targets, drafts)
+        req.num_computed_tokens -= len(drafts) - accepted
+        self.proposer.record(req, len(drafts), accepted)
+        for name, n in zip(SPEC_COUNTS, (1, len(drafts), accepted)):
+            self.spec_counts[name] += n
+        for token in targets[: accepted + 1]:
+            if token == NO_TOKEN:
+                self._finish(req, "error")
+                return [req]
+            req.append_token(token)
+            if self._check_stop(req, token):
+                return [req]
+        return []
 
     def _prompt_logprobs(self, rows: PromptLogprobRows, logits) -> None:
         """Logprobs of the prompt tokens after `rows.first` (the raw distribution, as for

@@ -24,6 +24,7 @@ from compilecore.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     cache_root,
     resolve_dtype,
 )
@@ -35,7 +36,7 @@ from models.loader import ModelLoadError, checkpoint_dtype, load_hf_config
 from models.registry import resolve_model_class
 from runtime.engine import LLMEngine
 from runtime.executor import MultiprocExecutor, validate_parallel_config
-from runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from runtime.outputs import SPEC_COUNTS, CompletionOutput, RequestMetrics, RequestOutput
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 
@@ -74,7 +75,7 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, block_size, gpu_memory_utilization,
         enable_prefix_caching, enable_chunked_prefill, enforce_eager, compilation_config,
         tensor_parallel_size, pipeline_parallel_size, seed, trust_remote_code,
-        async_scheduling; ours:
+        async_scheduling, speculative_config; ours:
         kv_cache_memory, attention_backend, attention_num_splits, device).
         `distributed_executor_backend="external"` joins ranks that torchrun started (see
         runtime/launch.py). `max_logprobs` caps `logprobs` and `prompt_logprobs` (vLLM's
@@ -410,13 +411,13 @@ class LLM:
             finished_time=max((c.finished_time for c in children if c.finished_time), default=None),
             num_generated_tokens=sum(len(c.output_token_ids) for c in children),
             num_cached_tokens=first.num_cached_tokens,
+            **{name: sum(getattr(c.spec, name) for c in children) for name in SPEC_COUNTS},
         )
         return RequestOutput(
             rid, prompt, tokens, outputs, True, metrics,
             prompt_logprobs=first.prompt_logprobs or None,
             num_cached_tokens=first.num_cached_tokens,
         )  # fmt: skip
-
 
 
 def cuda_index_pinned(device: torch.device) -> torch.device:
@@ -456,6 +457,7 @@ def build_engine_config(
     gpu_memory_utilization: float = 0.9,
     enable_chunked_prefill: bool = True,
     async_scheduling: bool = False,
+    speculative_config: dict | SpeculativeConfig | None = None,
     trust_remote_code: bool = False,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
@@ -525,6 +527,7 @@ def build_engine_config(
         parallel_config=ParallelConfig(tensor_parallel_size, pipeline_parallel_size),
         compilation_config=compilation,
         device=device_obj,
+        speculative_config=SpeculativeConfig.from_any(speculative_config),
     )
 
 
@@ -535,7 +538,7 @@ _VLLM_ENGINE_ARGS = frozenset({
     "revision", "code_revision", "tokenizer_revision", "download_dir",
     "config_format", "hf_config_path", "hf_overrides", "max_seq_len_to_capture",
     "disable_custom_all_reduce", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
-    "lora_dtype", "fully_sharded_loras", "speculative_config", "num_scheduler_steps",
+    "lora_dtype", "fully_sharded_loras", "num_scheduler_steps",
     "cpu_offload_gb", "enable_expert_parallel", "data_parallel_size", "limit_mm_per_prompt",
     "mm_processor_kwargs", "disable_async_output_proc", "override_generation_config",
     "enable_sleep_mode", "calculate_kv_scales", "task", "runner", "num_gpu_blocks_override",

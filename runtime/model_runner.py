@@ -83,21 +83,32 @@ class PromptLogprobRows:
     first: int
 
 
+@dataclass
+class DraftRows:
+    """Logits rows [start, start + len(drafts) + 1) of a step: a request's last token and
+    its drafts, each row the distribution of the token after it (runtime/spec_decode.py)."""
+
+    request: Any
+    start: int
+    drafts: list[int]
+
+
 def plan_step(
     out: SchedulerOutput, block_manager: BlockManager
-) -> tuple[StepPlan, list[ScheduledRequest], list[PromptLogprobRows]]:
+) -> tuple[StepPlan, list[ScheduledRequest], list[PromptLogprobRows], list[DraftRows]]:
     """The step's plan, the scheduled requests whose rows sample (the first logits rows,
-    in order), and the rows after them that prompt logprobs need."""
+    in order), the rows after them that prompt logprobs need, then the rows that verify
+    drafts."""
     order = [s for s in out.scheduled if s.num_new_tokens == 1]
     plan = StepPlan(num_decodes=len(order))
     order += [s for s in out.scheduled if s.num_new_tokens != 1]
     bs = block_manager.block_size
-    sampling, prompt_rows = [], []
+    sampling, prompt_rows, draft_rows = [], [], []
     for s in order:
         req, begin = s.request, s.request.num_computed_tokens
         end = begin + s.num_new_tokens
         table = block_manager.block_table(req.request_id)
-        known = req.all_token_ids[begin:end]
+        known = req.all_token_ids[begin : end - len(s.drafts)] + s.drafts
         if end - begin - len(known) > 1:
             raise RuntimeError(f"{req.request_id}: more than one token pending at a step")
         if len(known) < end - begin:  # the last one is pending: 0 until the runner's gather
@@ -109,14 +120,18 @@ def plan_step(
         plan.query_starts.append(plan.query_starts[-1] + s.num_new_tokens)
         plan.seq_lens.append(end)
         plan.block_tables.append(list(table))
-        if s.samples:
+        if s.drafts:
+            draft_rows.append(DraftRows(req, plan.query_starts[-2], s.drafts))
+        elif s.samples:
             plan.logits_rows.append(plan.query_starts[-1] - 1)
             sampling.append(s)
         if req.sampling_params.prompt_logprobs is not None and begin < req.num_prompt_tokens - 1:
             last = min(end, req.num_prompt_tokens - 1)  # the last prompt row predicts output
             prompt_rows.append(PromptLogprobRows(req, 0, last - begin, begin))
     plan.argmax_only = (
-        bool(sampling) and not prompt_rows and all(s.request.plain_greedy for s in sampling)
+        bool(sampling or draft_rows)
+        and not prompt_rows
+        and all(s.request.plain_greedy for s in sampling)  # drafts: greedy ones only
     )
     start = len(plan.logits_rows)
     for rows in prompt_rows:
@@ -124,7 +139,10 @@ def plan_step(
         rows.start = start
         plan.logits_rows += range(first_row, first_row + rows.count)
         start += rows.count
-    return plan, sampling, prompt_rows
+    for rows in draft_rows:
+        first_row, rows.start = rows.start, len(plan.logits_rows)
+        plan.logits_rows += range(first_row, first_row + len(rows.drafts) + 1)
+    return plan, sampling, prompt_rows, draft_rows
 
 
 def _scheduled_of(order: list[ScheduledRequest], request: Any) -> ScheduledRequest:

@@ -33,6 +33,9 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+SPEC_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
 @dataclass
 class RequestMetrics:
     arrival_time: float
@@ -40,6 +43,25 @@ class RequestMetrics:
     finished_time: float | None
     num_generated_tokens: int
     num_cached_tokens: int = 0
+    # Speculative decoding (vLLM's spec_decode counts): verification steps, tokens
+    # proposed, and of those accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted over proposed tokens (None: nothing proposed)."""
+        if not self.num_draft_tokens:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verification step emitted, on average: 1 + accepted per step."""
+        if not self.num_drafts:
+            return None
+        return 1 + self.num_accepted_tokens / self.num_drafts
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -12,6 +12,21 @@ import torch
 from runtime.sampling_params import SamplingParams
 
 
+@dataclass
+class SpecState:
+    """A request's speculative decoding (runtime/spec_decode.py): the drafts of its next
+    step, its counts (RequestMetrics), and the pause after a low acceptance."""
+
+    drafts: list[int] = field(default_factory=list)
+    num_drafts: int = 0  # verification steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    recent_verified: int = 0
+    recent_accepted: int = 0
+    pause: int = 0  # steps left without proposals
+    next_pause: int = 4
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -44,6 +59,7 @@ class Request:
     # Tokens sampled on the device whose ids the host has not read yet (async scheduling:
     # runtime/async_scheduling.py); the scheduler counts them as the request's next inputs.
     num_pending: int = 0
+    spec: SpecState = field(default_factory=SpecState)
 
     def __post_init__(self) -> None:
         # One list for prompt and output, appended in place: the block hashes and the

@@ -21,13 +21,16 @@ from runtime.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
+    # Proposed tokens computed after its last one, to verify (runtime/spec_decode.py).
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens (so one is sampled)."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_scheduled_tokens
+        new = self.num_new_tokens - len(self.drafts)
+        return r.num_computed_tokens + new == r.num_scheduled_tokens
 
 
 @dataclass
@@ -81,10 +84,14 @@ class Scheduler:
             if self.max_model_len is not None and req.pending_ends_it(self.max_model_len):
                 i += 1  # its last token is on the device: nothing after it to compute
                 continue
-            num_new = self._chunk(req.num_scheduled_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_scheduled_tokens - req.num_computed_tokens
+            num_new = self._chunk(remaining, budget)
             if num_new == 0:  # batch-invariant mode: its chunk waits for a step it fits in
                 i += 1
                 continue
+            # A decode's drafts ride along as far as the budget allows.
+            drafts = req.spec.drafts[: budget - 1] if remaining == 1 else []
+            num_new += len(drafts)
             while not self.block_manager.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens + num_new
             ):
@@ -93,7 +100,7 @@ class Scheduler:
                 out.preempted.append(victim)
                 if victim is req:
                     return budget
-            out.scheduled.append(ScheduledRequest(req, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_new, drafts))
             budget -= num_new
             i += 1
         return budget
@@ -143,7 +150,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def advance(self, out: SchedulerOutput) -> None:
-        """After the model ran the step: the scheduled tokens are now in the KV cache."""
+        """After the model ran the step: the scheduled tokens are now in the KV cache
+        (drafts too, until verification steps back over the rejected ones)."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
 

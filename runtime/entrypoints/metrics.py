@@ -42,6 +42,15 @@ class ServerMetrics:
                                    buckets=_LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
         self.vllm_itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency",
                                   buckets=_LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
+        # Speculative decoding, vLLM's counters: verification steps, proposed tokens and
+        # accepted ones, since the start (zero without speculative_config).
+        self.vllm_spec = {
+            name: Counter(f"vllm:spec_decode_{name}", doc, ["model_name"], registry=self.registry)
+            for name, doc in (("num_drafts", "Verification steps"),
+                              ("num_draft_tokens", "Proposed tokens"),
+                              ("num_accepted_tokens", "Proposed tokens accepted"))
+        }  # fmt: skip
+        self._spec_seen = dict.fromkeys(self.vllm_spec, 0)
         self.model_name = "model"
 
     def count(self, status: str) -> None:
@@ -59,4 +68,8 @@ class ServerMetrics:
                           ("num_requests_waiting", "waiting"),
                           ("kv_cache_usage_perc", "kv_cache_usage")):  # fmt: skip
             self.vllm[name].labels(model_name=self.model_name).set(stats[key])
+        for name, counter in self.vllm_spec.items():  # the engine's totals: add what is new
+            total = stats.get(name, 0)
+            counter.labels(model_name=self.model_name).inc(total - self._spec_seen[name])
+            self._spec_seen[name] = total
         return generate_latest(self.registry).decode()

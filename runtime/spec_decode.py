@@ -1,0 +1,129 @@
+"""Speculative decoding by n-gram prompt lookup (vLLM's `speculative_config` method
+"ngram"), verified through the ordinary compiled step.
+
+Proposing: where a request's last n tokens (n from `prompt_lookup_max` down to
+`prompt_lookup_min`) occurred earlier in its prompt or output, the tokens that followed
+that occurrence (its latest) are proposed, up to `num_speculative_tokens`.
+
+Verifying: a decoding request with proposals d1..dk is scheduled as a query of 1 + k
+tokens (its last token, then d1..dk) at the next positions: a chunk of an ordinary step,
+through the same compiled pieces and paged attention, whose logits rows 0..k are each the
+next-token distribution after the tokens before it. Greedy: row i's argmax t_i is the
+token decoding one at a time would give once d1..di are right, so d_{i+1} is accepted
+while it equals t_i; the first t_i that differs (or t_k after all k) is emitted too. The
+KV of the accepted tokens stays; the rejected positions' slots are overwritten by the next
+step (attention never reads a position past a query's own), and the request's computed
+count steps back over them. Only greedy requests without logprobs, logits processing or a
+grammar speculate; the others in the same step decode as usual.
+
+Never much slower: a verification step costs more than a decode step (on a CPU without
+our quantized kernels here 2.7x for 4 tokens; on a GPU a few percent), so the engine
+times both and a request whose verifications emit fewer tokens than that ratio stops
+proposing for a while (`Proposer`): free text pays little for drafts that were wrong.
+"""
+
+from __future__ import annotations
+
+from compilecore.config import SpeculativeConfig
+from runtime.request import Request
+
+# A request's speculation is judged every RECENT verifications; one that does not pay
+# stops proposing for FIRST_PAUSE steps, doubling each time up to MAX_PAUSE.
+RECENT = 2
+FIRST_PAUSE = 4
+MAX_PAUSE = 64
+
+
+def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to `k` tokens that followed an earlier occurrence of the longest suffix of
+    `tokens` of n_min..n_max tokens: of the longest, the one with the most tokens after
+    it (up to k), the latest of those; [] where none occurred."""
+    last = len(tokens) - 1
+    best, best_key = None, (0, 0, -1)
+    for end in range(last - 1, -1, -1):  # each earlier place the last token occurred
+        if tokens[end] != tokens[last]:
+            continue
+        n = 1
+        while n < n_max and n <= end and tokens[end - n] == tokens[last - n]:
+            n += 1
+        key = (n, min(k, last - end), end)
+        if n >= n_min and key > best_key:
+            best, best_key = end, key
+    return [] if best is None else tokens[best + 1 : best + 1 + k]
+
+
+def accepted_length(targets: list[int], drafts: list[int]) -> int:
+    """How many leading drafts equal the target tokens decoded after the ones before."""
+    n = 0
+    while n < len(drafts) and targets[n] == drafts[n]:
+        n += 1
+    return n
+
+
+class Proposer:
+    """Drafts for each decoding request, and when to stop proposing: a verification step
+    costs `cost_ratio` plain decode steps (measured by the engine, 1 until then), so a
+    request's speculation pays while its verifications emit more tokens than that."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.step_seconds: dict[bool, float] = {}  # EMA of decode-only steps, by drafts
+
+    def propose(self, req: Request) -> list[int]:
+        """The drafts for `req`'s next step, or [] (not decoding, not plain greedy, near
+        its end, paused, or nothing found)."""
+        c, state = self.config, req.spec
+        if not self.eligible(req):
+            return []
+        if state.pause:
+            state.pause -= 1
+            return []
+        limit = min(c.num_speculative_tokens, self.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:  # the last allowed token needs no draft after it
+            limit = min(limit, max_tokens - len(req.output_token_ids) - 1)
+        if limit < 1:
+            return []
+        return ngram_proposal(req.all_token_ids, limit, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    @staticmethod
+    def eligible(req: Request) -> bool:
+        return (
+            req.plain_greedy
+            and req.grammar is None
+            and req.sampling_params.prompt_logprobs is None
+            and req.num_pending == 0
+            and req.num_computed_tokens == req.num_tokens - 1
+        )
+
+    def timed(self, seconds: float, verified: bool) -> None:
+        """A step of decodes only, with drafts or without: its wall-clock seconds."""
+        last = self.step_seconds.get(verified)
+        self.step_seconds[verified] = seconds if last is None else last + 0.2 * (seconds - last)
+
+    @property
+    def cost_ratio(self) -> float:
+        """A verification step's time over a plain decode step's (1 until both ran)."""
+        if len(self.step_seconds) < 2:
+            return 1.0
+        return self.step_seconds[True] / self.step_seconds[False]
+
+    def record(self, req: Request, drafted: int, accepted: int) -> None:
+        """A verification's outcome. Every RECENT verifications, tokens emitted per
+        verification below the cost ratio pause the request's proposals (doubling up to
+        MAX_PAUSE steps while it stays below)."""
+        state = req.spec
+        state.num_drafts += 1
+        state.num_draft_tokens += drafted
+        state.num_accepted_tokens += accepted
+        state.recent_verified += 1
+        state.recent_accepted += accepted
+        if state.recent_verified < RECENT:
+            return
+        if 1 + state.recent_accepted / state.recent_verified < self.cost_ratio:
+            state.pause = state.next_pause
+            state.next_pause = min(2 * state.next_pause, MAX_PAUSE)
+        else:
+            state.next_pause = FIRST_PAUSE
+        state.recent_verified = state.recent_accepted = 0

@@ -1,0 +1,228 @@
+"""Speculative decoding by n-gram lookup (runtime/spec_decode.py), verified through the
+compiled steps. The oracle is the same model's engine without it (fp32, so a verification
+row's logits pick the token a one-token step picks): every request's tokens, finish
+reason and text are the same, and no KV block is left held."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from compilecore import testing
+from compilecore.config import SpeculativeConfig
+from runtime import LLM, SamplingParams
+from runtime.request import Request
+from runtime.spec_decode import FIRST_PAUSE, RECENT, Proposer, accepted_length, ngram_proposal
+
+ENGINE = {"dtype": "float32", "block_size": 4, "max_model_len": 96}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}  # fmt: skip
+
+
+def _occurrences(tokens: list[int], n: int) -> list[int]:
+    """End indices e < len - 1 where tokens[e-n+1 : e+1] equals the last n tokens."""
+    last = len(tokens) - 1
+    suffix = tokens[last - n + 1 :]
+    return [e for e in range(n - 1, last) if tokens[e - n + 1 : e + 1] == suffix]
+
+
+@testing.settings(max_examples=300)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=30),
+    k=st.integers(1, 5),
+    n_min=st.integers(1, 3),
+    extra=st.integers(0, 2),
+)
+def test_ngram_proposal_is_what_followed_the_longest_match(tokens, k, n_min, extra):
+    n_max = n_min + extra
+    got = ngram_proposal(tokens, k, n_min, n_max)
+    lengths = [n for n in range(n_min, n_max + 1) if n < len(tokens) and _occurrences(tokens, n)]
+    if not lengths:
+        assert got == []
+        return
+    n = max(lengths)
+    follows = [tokens[e + 1 : e + 1 + k] for e in _occurrences(tokens, n)]
+    assert got in follows  # what followed an occurrence of the longest suffix
+    assert len(got) == max(len(f) for f in follows)  # as many as any occurrence has
+
+
+def test_accepted_length_and_the_pause():
+    assert accepted_length([5, 6, 7, 8], [5, 6, 9]) == 2
+    assert accepted_length([1, 2], [3]) == 0
+    assert accepted_length([4, 4, 4, 4], [4, 4, 4]) == 3
+    req = Request("r", [1, 2, 1, 2, 1], SamplingParams(temperature=0, max_tokens=50))
+    req.num_computed_tokens = req.num_tokens - 1
+    proposer = Proposer(SpeculativeConfig(**NGRAM), max_model_len=96)
+    assert proposer.propose(req) == [2, 1]  # the longest match (3 tokens) has 2 after it
+    proposer.step_seconds = {False: 0.1, True: 0.25}  # a verification costs 2.5 steps
+    for _ in range(RECENT):  # 1 + 1 tokens a verification: below the cost
+        proposer.record(req, 2, 1)
+    assert req.spec.pause == FIRST_PAUSE
+    assert [proposer.propose(req) for _ in range(FIRST_PAUSE)] == [[]] * FIRST_PAUSE
+    assert proposer.propose(req) == [2, 1]  # and back after the pause
+    for _ in range(RECENT):  # below again: a longer pause
+        proposer.record(req, 2, 1)
+    assert req.spec.pause == 2 * FIRST_PAUSE
+    req.spec.pause = 0
+    for _ in range(RECENT):  # 1 + 2 tokens a verification: it pays, no pause
+        proposer.record(req, 2, 2)
+    assert req.spec.pause == 0 and req.spec.next_pause == FIRST_PAUSE
+    sampled = Request("s", [1, 2, 1, 2, 1], SamplingParams(temperature=1.0, seed=3))
+    sampled.num_computed_tokens = sampled.num_tokens - 1
+    assert proposer.propose(sampled) == []  # greedy requests only
+    req.output_token_ids = [0] * 48  # two tokens left of max_tokens=50: one draft at most
+    assert proposer.propose(req) == [2]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama, tmp_path_factory):
+    """(speculating, plain) compiled engines on the tiny model, one compile cache."""
+    config = {"cache_dir": str(tmp_path_factory.mktemp("spec_cache"))}
+    made = [LLM(str(tiny_llama[0]), speculative_config=spec, compilation_config=config,
+                kv_cache_memory=1 << 20, **ENGINE)
+            for spec in (NGRAM, None)]  # fmt: skip
+    return tuple(made)
+
+
+def _outputs(llm: LLM, prompts, params) -> list[tuple]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    bm = llm.llm_engine.scheduler.block_manager
+    return bm.num_free_blocks == bm.num_blocks
+
+
+def _prompts(rng, count: int) -> list[list[int]]:
+    """Prompts that repeat phrases (so lookups find drafts, right and wrong)."""
+    prompts = []
+    for _ in range(count):
+        phrases = [rng.integers(3, 300, rng.integers(2, 6)).tolist() for _ in range(3)]
+        prompts.append([t for _ in range(4) for t in phrases[rng.integers(0, 3)]])
+    return prompts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_tokens_equal_without_speculation(engines, batch):
+    """20 prompts, one at a time and 8 at a time: the same tokens, finish reasons and
+    texts; drafts both accepted and rejected; every KV block free afterwards."""
+    spec, plain = engines
+    prompts = _prompts(np.random.default_rng(batch), 20)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got, want, drafted, accepted = [], [], 0, 0
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        outs = spec.generate(chunk, params, use_tqdm=False)
+        got += [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        drafted += sum(o.metrics.num_draft_tokens for o in outs)
+        accepted += sum(o.metrics.num_accepted_tokens for o in outs)
+        want += [(t, r) for t, r, _ in _outputs(plain, chunk, params)]
+    assert got == want
+    assert 0 < accepted < drafted
+    assert _all_blocks_free(spec)
+
+
+@pytest.mark.slow
+@testing.settings(max_examples=6)
+@given(
+    lengths=st.lists(st.integers(4, 16), min_size=1, max_size=5),
+    max_tokens=st.lists(st.integers(1, 20), min_size=5, max_size=5),
+    stop_at=st.one_of(st.none(), st.integers(0, 19)),
+    seed=st.integers(0, 2**16),
+)
+def test_stops_and_mixed_requests_equal_without_speculation(
+    engines, lengths, max_tokens, stop_at, seed
+):
+    """Greedy requests that speculate beside a seeded sampled one and one with logprobs
+    (which do not), each with its own max_tokens, a stop token the plain run emits, and
+    a stop string: what each request gives is the plain engine's."""
+    spec, plain = engines
+    rng = np.random.default_rng(seed)
+    prompts = _prompts(rng, len(lengths))
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    params = params[: len(prompts)]
+    want = _outputs(plain, prompts, params)
+    if stop_at is not None:
+        tokens = want[0][0]
+        stop = tokens[min(stop_at, len(tokens) - 1)]
+        params[0] = SamplingParams(temperature=0, max_tokens=max_tokens[0], ignore_eos=True,
+                                   stop_token_ids=[stop])  # fmt: skip
+        if want[0][2]:
+            params[-1] = SamplingParams(temperature=0, max_tokens=20, stop=[want[0][2][-3:]])
+    prompts += [prompts[0], prompts[-1]]
+    params += [SamplingParams(temperature=0.8, seed=seed, max_tokens=12),
+               SamplingParams(temperature=0, logprobs=2, max_tokens=12)]  # fmt: skip
+    assert _outputs(spec, prompts, params) == _outputs(plain, prompts, params)
+    assert _all_blocks_free(spec)
+
+
+@pytest.mark.slow
+def test_preemption_under_speculation(tiny_llama, engines):
+    """A KV cache too small for the batch: requests are preempted (drafted slots count
+    against the blocks) and recomputed, with the plain engine's tokens."""
+    _, plain = engines
+    small = LLM(str(tiny_llama[0]), speculative_config=NGRAM, kv_cache_memory=60 << 10,
+                enforce_eager=True, **ENGINE)  # fmt: skip
+    prompts = _prompts(np.random.default_rng(7), 6)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert _outputs(small, prompts, params) == _outputs(plain, prompts, params)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert small.llm_engine.spec_counts["num_accepted_tokens"] > 0
+    assert _all_blocks_free(small)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
+        ({"model": "path/to/draft", "num_speculative_tokens": 2}, "draft model"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max=2"),
+        ("ngram", "must be a dict"),
+    ],
+)
+def test_bad_speculative_configs_are_named(tiny_llama, value, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        LLM(str(tiny_llama[0]), speculative_config=value, enforce_eager=True, **ENGINE)
+
+
+def test_speculation_with_async_scheduling_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(str(tiny_llama[0]), speculative_config=NGRAM, async_scheduling=True,
+            enforce_eager=True, **ENGINE)  # fmt: skip
+
+
+def test_cli_metrics_and_report(engines, capsys):
+    """`--speculative-config` reaches the engine arguments; /metrics counts the engine's
+    totals under vLLM's names (added as they grow); `generate -v` prints the rate."""
+    from runtime.cli import _engine_args, _report, build_parser
+    from runtime.entrypoints.metrics import ServerMetrics
+
+    line = [
+        "serve",
+        "x",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 4}',
+    ]
+    assert _engine_args(build_parser().parse_args(line))["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 4}  # fmt: skip
+    metrics = ServerMetrics()
+    stats = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
+    metrics.render({**stats, "num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 4})
+    text = metrics.render({**stats, "num_drafts": 3, "num_draft_tokens": 9,
+                           "num_accepted_tokens": 5})  # fmt: skip
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="model"} 9.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="model"} 5.0' in text
+    spec, _ = engines
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
+    m = out.metrics
+    assert m.num_drafts > 0 and 0 <= m.num_accepted_tokens <= m.num_draft_tokens
+    assert m.mean_acceptance_length == 1 + m.num_accepted_tokens / m.num_drafts
+    _report(out)
+    assert f"drafts accepted {m.acceptance_rate:.0%}" in capsys.readouterr().err
