@@ -76,7 +76,9 @@ def main() -> None:
             if name != "plain":
                 q = ratios[name]
                 rate, length = accept[name]
+                cost = llms[name].llm_engine.proposer.cost_ratio
                 line += (f"  {statistics.median(q):.2f}x ({min(q):.2f}-{max(q):.2f})"
+                         f"  a verification {cost:.1f} steps"
                          f"  accepted {rate or 0:.0%}, {length or 1:.2f} tokens/step"
                          f"  tokens equal: {same[name]}")  # fmt: skip
             print(line, flush=True)

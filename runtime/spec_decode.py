@@ -17,9 +17,9 @@ count steps back over them. Only greedy requests without logprobs, logits proces
 grammar speculate; the others in the same step decode as usual.
 
 Never much slower: a verification step costs more than a decode step (on a CPU without
-our quantized kernels here 2.7x for 4 tokens; on a GPU a few percent), so the engine
-times both and a request whose verifications emit fewer tokens than that ratio stops
-proposing for a while (`Proposer`): free text pays little for drafts that were wrong.
+our quantized kernels here 2.7x for 4 tokens; on a GPU a few percent), so a request whose
+verifications emit fewer tokens than `min_tokens_per_verification` stops proposing for a
+while (`Proposer`): free text pays little for drafts that were wrong.
 """
 
 from __future__ import annotations
@@ -62,8 +62,11 @@ def accepted_length(targets: list[int], drafts: list[int]) -> int:
 
 class Proposer:
     """Drafts for each decoding request, and when to stop proposing: a verification step
-    costs `cost_ratio` plain decode steps (measured by the engine, 1 until then), so a
-    request's speculation pays while its verifications emit more tokens than that."""
+    costs `cost_ratio` plain decode steps (measured by the engine, shown, not used), so a
+    request's speculation pays while its verifications emit more tokens than that. The
+    decision uses the fixed `min_tokens_per_verification` instead, from the request's
+    own counts only: which steps verify changes the shapes its tokens are computed in,
+    and that must not depend on timing."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
@@ -111,7 +114,7 @@ class Proposer:
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """A verification's outcome. Every RECENT verifications, tokens emitted per
-        verification below the cost ratio pause the request's proposals (doubling up to
+        verification below the floor pause the request's proposals (doubling up to
         MAX_PAUSE steps while it stays below)."""
         state = req.spec
         state.num_drafts += 1
@@ -121,7 +124,8 @@ class Proposer:
         state.recent_accepted += accepted
         if state.recent_verified < RECENT:
             return
-        if 1 + state.recent_accepted / state.recent_verified < self.cost_ratio:
+        floor = self.config.min_tokens_per_verification or 1.0
+        if 1 + state.recent_accepted / state.recent_verified < floor:
             state.pause = state.next_pause
             state.next_pause = min(2 * state.next_pause, MAX_PAUSE)
         else:

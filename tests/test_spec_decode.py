@@ -54,9 +54,9 @@ def test_accepted_length_and_the_pause():
     assert accepted_length([4, 4, 4, 4], [4, 4, 4]) == 3
     req = Request("r", [1, 2, 1, 2, 1], SamplingParams(temperature=0, max_tokens=50))
     req.num_computed_tokens = req.num_tokens - 1
-    proposer = Proposer(SpeculativeConfig(**NGRAM), max_model_len=96)
+    config = SpeculativeConfig(**NGRAM, min_tokens_per_verification=2.5)
+    proposer = Proposer(config, max_model_len=96)
     assert proposer.propose(req) == [2, 1]  # the longest match (3 tokens) has 2 after it
-    proposer.step_seconds = {False: 0.1, True: 0.25}  # a verification costs 2.5 steps
     for _ in range(RECENT):  # 1 + 1 tokens a verification: below the cost
         proposer.record(req, 2, 1)
     assert req.spec.pause == FIRST_PAUSE
@@ -183,6 +183,7 @@ def test_preemption_under_speculation(tiny_llama, engines):
         ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max=2"),
+        ({"min_tokens_per_verification": 0.5}, "min_tokens_per_verification must be"),
         ("ngram", "must be a dict"),
     ],
 )
