@@ -20,9 +20,9 @@ from runtime.executor import LocalExecutor
 from runtime.model_runner import DraftRows, PromptLogprobRows, plan_step
 from runtime.outputs import SPEC_COUNTS, Logprob
 from runtime.request import Request
-from runtime.sampler import NO_TOKEN, Sampler
+from runtime.sampler import NO_TOKEN, Sampler, filter_logits
 from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.spec_decode import Proposer, accepted_length
+from runtime.spec_decode import Proposer, accepted_length, sample_verified
 from runtime.structured_output import GrammarCompilerCache
 
 logger = logging.getLogger("compilecore")
@@ -236,12 +236,22 @@ class LLMEngine:
         return finished
 
     def _verify(self, rows: DraftRows, logits) -> list[Request]:
-        """A greedy request's drafts against its rows' tokens (runtime/spec_decode.py):
-        the accepted drafts and the token after them are appended one by one through the
-        stop checks; the computed count steps back over the rejected drafts."""
+        """A request's drafts against its rows (runtime/spec_decode.py: greedy, or by the
+        rejection rule): the accepted drafts and the token after them are appended one by
+        one through the stop checks; the computed count steps back over the rejected."""
         req, drafts = rows.request, rows.drafts
-        targets = self.sampler(logits, [req] * len(logits), self.eos_token_ids).token_ids
-        accepted = accepted_length(targets, drafts)
+        if not _drawable(logits):  # row 0 as a plain step treats it; no draft kept
+            targets = self.sampler(logits[:1], [req], self.eos_token_ids).token_ids
+            accepted = 0
+        elif req.sampling_params.greedy:
+            targets = self.sampler(logits, [req] * len(logits), self.eos_token_ids).token_ids
+            accepted = accepted_length(targets, drafts)
+        else:  # only requests whose draws nothing but the filters shape (Proposer.eligible)
+            probs = filter_logits(logits.float(), [req.sampling_params] * len(logits))
+            targets = sample_verified(
+                probs.softmax(dim=-1), drafts, lambda: self.sampler.uniform(req)
+            )
+            accepted = len(targets) - 1
         req.num_computed_tokens -= len(drafts) - accepted
         self.proposer.record(req, len(drafts), accepted)
         for name, n in zip(SPEC_COUNTS, (1, len(drafts), accepted)):
@@ -328,6 +338,13 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         self.detokenizers.pop(request_id, None)
         self.requests.pop(request_id, None)
+
+
+def _drawable(logits) -> bool:
+    """Whether every row has a distribution: no nan or +inf, not all -inf (the sampler's
+    degenerate rows, each with a rule of its own)."""
+    bad = logits.isnan() | (logits == float("inf"))
+    return bool((logits.isfinite().any(dim=-1).all() & ~bad.any()).item())
 
 
 def eos_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:

@@ -128,10 +128,11 @@ def plan_step(
         if req.sampling_params.prompt_logprobs is not None and begin < req.num_prompt_tokens - 1:
             last = min(end, req.num_prompt_tokens - 1)  # the last prompt row predicts output
             prompt_rows.append(PromptLogprobRows(req, 0, last - begin, begin))
+    verifying = [rows.request for rows in draft_rows]
     plan.argmax_only = (
         bool(sampling or draft_rows)
         and not prompt_rows
-        and all(s.request.plain_greedy for s in sampling)  # drafts: greedy ones only
+        and all(r.plain_greedy for r in [*(s.request for s in sampling), *verifying])
     )
     start = len(plan.logits_rows)
     for rows in prompt_rows:

@@ -231,7 +231,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         tokens = argmax_rows(view) if any(p.greedy for p in params) else []
         drawn = [
-            (i, p, self._uniform(r))
+            (i, p, self.uniform(r))
             for i, (r, p) in enumerate(zip(requests, params))
             if not p.greedy
         ]
@@ -280,7 +280,7 @@ class Sampler:
             self._scratch = np.empty(view.shape[-1], dtype=np.float32)
         return self._scratch
 
-    def _uniform(self, req: Request) -> float:
+    def uniform(self, req: Request) -> float:
         """One draw from [0, 1) with 53 random bits, from the request's generator (drawn 64
         at a time: one torch call a step costs more than the row's sampling, cold)."""
         if not req.uniforms:

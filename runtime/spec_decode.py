@@ -3,7 +3,7 @@
 
 Proposing: where a request's last n tokens (n from `prompt_lookup_max` down to
 `prompt_lookup_min`) occurred earlier in its prompt or output, the tokens that followed
-that occurrence (its latest) are proposed, up to `num_speculative_tokens`.
+the longest such occurrence are proposed, up to `num_speculative_tokens`.
 
 Verifying: a decoding request with proposals d1..dk is scheduled as a query of 1 + k
 tokens (its last token, then d1..dk) at the next positions: a chunk of an ordinary step,
@@ -13,8 +13,11 @@ token decoding one at a time would give once d1..di are right, so d_{i+1} is acc
 while it equals t_i; the first t_i that differs (or t_k after all k) is emitted too. The
 KV of the accepted tokens stays; the rejected positions' slots are overwritten by the next
 step (attention never reads a position past a query's own), and the request's computed
-count steps back over them. Only greedy requests without logprobs, logits processing or a
-grammar speculate; the others in the same step decode as usual.
+count steps back over them. Sampled requests keep draft i with the probability their own
+filtered distribution at row i gives it, and draw the first refused one again without it
+(`sample_verified`): every emitted token has the distribution one-at-a-time sampling
+gives it, from the request's own seeded draws. Only requests without logprobs, logits
+processing or a grammar speculate; the others in the same step decode as usual.
 
 Never much slower: a verification step costs more than a decode step (on a CPU without
 our quantized kernels here 2.7x for 4 tokens; on a GPU a few percent), so a request whose
@@ -23,6 +26,10 @@ while (`Proposer`): free text pays little for drafts that were wrong.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
 
 from compilecore.config import SpeculativeConfig
 from runtime.request import Request
@@ -50,6 +57,37 @@ def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int) -> list[in
         if n >= n_min and key > best_key:
             best, best_key = end, key
     return [] if best is None else tokens[best + 1 : best + 1 + k]
+
+
+def sample_verified(
+    probs: torch.Tensor, drafts: list[int], uniform: Callable[[], float]
+) -> list[int]:
+    """The tokens a sampled request emits for its drafts (Leviathan et al. / Chen et al.'s
+    rule, vLLM's, with a draft that had probability 1 to its proposer): draft i is kept
+    with the probability row i gives it; the first one refused is replaced by a draw from
+    row i without it (renormalized), and when all are kept one more is drawn from the
+    last row. Each token so has row i's distribution. `probs` [len(drafts) + 1, vocab]:
+    the request's filtered distributions; `uniform` its draws in [0, 1)."""
+    emitted = []
+    for i, draft in enumerate(drafts):
+        p = probs[i, draft].item()
+        if uniform() < p:
+            emitted.append(draft)
+            continue
+        residual = probs[i].clone()
+        residual[draft] = 0.0
+        return emitted + [_inverse_cdf(residual, uniform())]
+    return emitted + [_inverse_cdf(probs[len(drafts)], uniform())]
+
+
+def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
+    """The token whose cumulative weight first exceeds u x the total (never a 0 one)."""
+    cdf = weights.double().cumsum(0)
+    token = int(torch.searchsorted(cdf, u * cdf[-1].item(), right=True).item())
+    token = min(token, len(cdf) - 1)
+    while weights[token] == 0 and token > 0:  # u x total rounded onto a flat run's end
+        token -= 1
+    return token
 
 
 def accepted_length(targets: list[int], drafts: list[int]) -> int:
@@ -93,7 +131,7 @@ class Proposer:
     @staticmethod
     def eligible(req: Request) -> bool:
         return (
-            req.plain_greedy
+            req.plain  # greedy, or sampled from temperature / top-k / top-p / min-p alone
             and req.grammar is None
             and req.sampling_params.prompt_logprobs is None
             and req.num_pending == 0

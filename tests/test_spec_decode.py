@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,7 +15,14 @@ from compilecore import testing
 from compilecore.config import SpeculativeConfig
 from runtime import LLM, SamplingParams
 from runtime.request import Request
-from runtime.spec_decode import FIRST_PAUSE, RECENT, Proposer, accepted_length, ngram_proposal
+from runtime.spec_decode import (
+    FIRST_PAUSE,
+    RECENT,
+    Proposer,
+    accepted_length,
+    ngram_proposal,
+    sample_verified,
+)
 
 ENGINE = {"dtype": "float32", "block_size": 4, "max_model_len": 96}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -71,7 +79,10 @@ def test_accepted_length_and_the_pause():
     assert req.spec.pause == 0 and req.spec.next_pause == FIRST_PAUSE
     sampled = Request("s", [1, 2, 1, 2, 1], SamplingParams(temperature=1.0, seed=3))
     sampled.num_computed_tokens = sampled.num_tokens - 1
-    assert proposer.propose(sampled) == []  # greedy requests only
+    assert proposer.propose(sampled) == [2, 1]  # sampled ones too (the rejection rule)
+    logprobs = Request("l", [1, 2, 1, 2, 1], SamplingParams(temperature=0, logprobs=1))
+    logprobs.num_computed_tokens = logprobs.num_tokens - 1
+    assert proposer.propose(logprobs) == []  # not where a row's logprobs are asked for
     req.output_token_ids = [0] * 48  # two tokens left of max_tokens=50: one draft at most
     assert proposer.propose(req) == [2]
 
@@ -137,9 +148,10 @@ def test_greedy_tokens_equal_without_speculation(engines, batch):
 def test_stops_and_mixed_requests_equal_without_speculation(
     engines, lengths, max_tokens, stop_at, seed
 ):
-    """Greedy requests that speculate beside a seeded sampled one and one with logprobs
-    (which do not), each with its own max_tokens, a stop token the plain run emits, and
-    a stop string: what each request gives is the plain engine's."""
+    """Greedy requests that speculate beside a seeded sampled one (speculating too) and
+    one with logprobs (which does not), each with its own max_tokens, a stop token the
+    plain run emits, and a stop string: what each greedy request gives is the plain
+    engine's, and the sampled one gives the same tokens when run again (its own draws)."""
     spec, plain = engines
     rng = np.random.default_rng(seed)
     prompts = _prompts(rng, len(lengths))
@@ -156,7 +168,10 @@ def test_stops_and_mixed_requests_equal_without_speculation(
     prompts += [prompts[0], prompts[-1]]
     params += [SamplingParams(temperature=0.8, seed=seed, max_tokens=12),
                SamplingParams(temperature=0, logprobs=2, max_tokens=12)]  # fmt: skip
-    assert _outputs(spec, prompts, params) == _outputs(plain, prompts, params)
+    got = _outputs(spec, prompts, params)
+    want = _outputs(plain, prompts, params)
+    assert got[:-2] + got[-1:] == want[:-2] + want[-1:]
+    assert _outputs(spec, prompts, params)[-2] == got[-2]
     assert _all_blocks_free(spec)
 
 
@@ -227,3 +242,71 @@ def test_cli_metrics_and_report(engines, capsys):
     assert m.mean_acceptance_length == 1 + m.num_accepted_tokens / m.num_drafts
     _report(out)
     assert f"drafts accepted {m.acceptance_rate:.0%}" in capsys.readouterr().err
+
+
+def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    """P-value of a chi-square goodness-of-fit test (categories with expected > 0)."""
+    keep = expected > 0
+    assert observed[~keep].sum() == 0, "a token drawn that has probability 0"
+    obs, exp = observed[keep].double(), expected[keep].double()
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2.0), stat / 2).item()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rejection_rule_keeps_each_rows_distribution(seed):
+    """20000 verifications of two fixed drafts against three random rows: the first
+    emitted token has row 0's distribution, the second (after draft 1 was kept) row 1's,
+    the third (after both) row 2's; a draft of probability 0 is never kept."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 6
+    probs = (torch.randn(3, vocab, generator=g) * 1.5).softmax(-1)
+    probs[1, 4] = 0.0  # row 1 filtered a token out
+    probs[1] /= probs[1].sum()
+    drafts = [int(probs[0].argmax()), 4 if seed == 0 else int(probs[1].argmin())]
+    counts = torch.zeros(3, vocab)
+    reached = torch.zeros(3)
+    for _ in range(20000):
+        out = sample_verified(probs, drafts, lambda: torch.rand(1, generator=g).item())
+        for i, token in enumerate(out):
+            counts[i, token] += 1
+            reached[i] += 1
+        assert out[: len(out) - 1] == drafts[: len(out) - 1]
+    for i in range(3):
+        if reached[i] >= 200:
+            assert _chi_square_p(counts[i], probs[i] * reached[i]) > 1e-3, (i, counts[i])
+    if seed == 0:
+        assert reached[2] == 0  # draft 2 had probability 0 at row 1
+
+
+@pytest.mark.slow
+def test_sampled_speculation_matches_plain_sampling_in_distribution(engines):
+    """300 seeded requests (temperature 0.7, top-k 4) on a prompt ending in the run of
+    one token that the model's greedy continuation repeats (so drafts are often right):
+    the second and third tokens' distributions with speculation equal plain sampling's
+    (two-sample chi-square), and drafts were both kept and refused."""
+    spec, plain = engines
+    start = [5 + i % 7 for i in range(30)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    run = plain.generate([start], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    prompt = start + run
+    params = [SamplingParams(temperature=0.7, top_k=4, seed=s, max_tokens=3, ignore_eos=True)
+              for s in range(300)]  # fmt: skip
+    runs = {}
+    for name, llm in (("spec", spec), ("plain", plain)):
+        outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+        runs[name] = [o.outputs[0].token_ids for o in outs]
+        if name == "spec":
+            accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+            drafted = sum(o.metrics.num_draft_tokens for o in outs)
+            assert 0 < accepted < drafted
+    for position in (1, 2):
+        tokens = sorted({t[position] for run in runs.values() for t in run})
+        table = torch.tensor(
+            [[sum(t[position] == v for t in runs[name]) for v in tokens] for name in runs],
+            dtype=torch.float64,
+        )
+        expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+        stat = ((table - expected) ** 2 / expected).sum()
+        p = torch.special.gammaincc(torch.tensor((len(tokens) - 1) / 2.0), stat / 2).item()
+        assert p > 1e-3, (position, table)
