@@ -14,6 +14,7 @@ default's; batch-1 decode of a 1B-class Llama with random weights (default, asyn
 scheduling, piecewise) as bytes read a second over the part's nominal peak (target >= 45%)
 and over what a sum reads, where its steps' host time and device time go (graph replay back
 to back, kernel sum and count); decode attention at 16, 64 and 128 keys a loop trip; the
+split-K GEMV against cuBLAS (tiles, then decode with it on and off); the
 quantized products' Triton kernel against dequantize +
 GEMM; each fusion pass on (and verified) against off; tensor parallelism 2 against 1 when
 two devices exist; the GPU-marked tests. Writes OUT/gpu_check.json and OUT/gpu_check.md (each step's
@@ -607,6 +608,54 @@ def step_attention_trips(check: Check) -> dict:
     return result
 
 
+# The 1B-class model's products (N, K) and split-K tiles (block_n, block_k, num_warps).
+GEMV_SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048))
+GEMV_TILES = ((16, 256, 4), (32, 128, 4), (8, 512, 4), (16, 512, 8), (64, 128, 4))
+
+
+def step_splitk_gemv(check: Check) -> dict:
+    """The split-K GEMV (`passes/splitk_gemv.py`) against cuBLAS at 1 row, bf16, on the
+    1B-class model's products: device us a call of the partials and of partials + sum
+    (a consumer would fuse the sum), for each tile at the default split count and twice
+    it, checked against the product; then batch-1 decode with the pass on and off (both
+    with static-size code for 1 token), tokens compared."""
+    if check.dry_run:
+        return {"skipped": "CUDA only (tests/test_splitk_gemv.py interprets the kernel)"}
+    from passes.ops.gemv_partials import GemvTile, choose_splits, gemv_partials_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    result: dict = {}
+    for n, k in GEMV_SHAPES:
+        x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+        w = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02
+        want = x.float() @ w.float().t()
+        case = {"cublas_us": _graph_us(functools.partial(torch.mm, x, w.t()))}
+        for tile in map(GemvTile._make, GEMV_TILES):
+            base = choose_splits(n, k, tile.block_n)
+            for splits in sorted({base, min(16, 2 * base)}):
+                fn = functools.partial(gemv_partials_triton, x, w, splits, tile)
+                err = (fn().sum(0) - want).abs().max().item()
+                if err > 1e-2 * max(1.0, want.abs().max().item()):
+                    raise StepFailed(f"{n}x{k} {tile} x{splits}: off by {err}", result)
+                label = "x".join(map(str, tile)) + f"/{splits}"
+                case[label] = _graph_us(fn)
+                case[label + "+sum"] = _graph_us(lambda fn=fn: fn().sum(0).bfloat16())
+        best = min((v, t) for t, v in case.items() if t != "cublas_us" and "+sum" not in t)
+        case.update(best=best[1], best_vs_cublas=case["cublas_us"] / best[0],
+                    best_TB_s=n * k * 2 / best[0] / 1e6)  # fmt: skip
+        result[f"{n}x{k}"] = case
+    check.drop()
+    tokens = {}
+    for on in (False, True):
+        cc = {"compile_sizes": [1], "passes": {"splitk_gemv": on}}
+        llm = check.llm(f"big splitk {on}", model="big", dtype="bfloat16", compilation_config=cc)
+        result[f"pass {'on' if on else 'off'} tok_s"] = decode_speed(llm, PROMPTS[2], 128, 3)
+        tokens[on] = greedy(llm, 8)
+        check.drop()
+    result["prompts_equal"] = [a == b for a, b in zip(tokens[False], tokens[True])]
+    return result
+
+
 def step_passes_on_off(check: Check) -> dict:
     want = greedy(check.llm("device"))
     done = {}
@@ -643,6 +692,7 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("split_kv", step_split_kv),
     ("decode_bandwidth", step_decode_bandwidth),
     ("attention_trips", step_attention_trips),
+    ("splitk_gemv", step_splitk_gemv),
     ("quantized_products", step_quantized_products),
     ("quantized_decode", step_quantized_decode),
     ("passes_on_off", step_passes_on_off),

@@ -20,6 +20,7 @@ DEVICE_DEFAULTS = {
         "native_linear": True,
         "gemv_to_reduction": True,
         "packed_linear": True,
+        "splitk_gemv": False,
     },
     "cuda": {
         "fuse_add_rms_norm": False,
@@ -31,6 +32,7 @@ DEVICE_DEFAULTS = {
         "native_linear": False,
         "gemv_to_reduction": False,
         "packed_linear": False,
+        "splitk_gemv": False,
     },
 }
 
@@ -50,7 +52,7 @@ CPU_NATIVE_PASSES = frozenset(
 
 # Passes that choose a product's kernel by its row count (or emit our C kernels, whose
 # choices do): all off in batch-invariant mode.
-ROW_COUNT_PASSES = CPU_NATIVE_PASSES | {"gemv_to_reduction"}
+ROW_COUNT_PASSES = CPU_NATIVE_PASSES | {"gemv_to_reduction", "splitk_gemv"}
 
 
 @dataclass
@@ -77,6 +79,9 @@ class PassConfig:
     gemv_to_reduction: bool | None = None
     # Other CPU GEMMs with 16-bit weights on a weight packed once (`compilecore.packed_mm`).
     packed_linear: bool | None = None
+    # Small static-M products as split-K partials (a Triton kernel on CUDA) summed by their
+    # consumer (passes/splitk_gemv.py). Off by default: untimed on a device.
+    splitk_gemv: bool | None = None
     # Run each piece's graph before and after every pass on random inputs and compare.
     verify: bool = False
     # False: no pass emits an op that runs our own C kernels by default on CPU (Inductor's

@@ -99,6 +99,10 @@ def build_passes(
         from passes.gemv_to_reduction import GemvToReductionPass
 
         passes.append(GemvToReductionPass())
+    if switches["splitk_gemv"]:
+        from passes.splitk_gemv import SplitKGemvPass
+
+        passes.append(SplitKGemvPass())
     if switches["batch_invariant"]:
         from passes.batch_invariant import BatchInvariantPass
 

@@ -29,7 +29,8 @@ def test_dry_run_passes_every_step(tmp_path):
     assert list(steps) == [
         "greedy_cpu_vs_device", "default_model_bf16", "temperature_sampling",
         "graphs_vs_eager", "chunked_prefill", "split_kv", "decode_bandwidth",
-        "quantized_products", "quantized_decode", "passes_on_off", "tensor_parallel",
+        "attention_trips", "splitk_gemv", "quantized_products", "quantized_decode",
+        "passes_on_off", "tensor_parallel",
         "gpu_tests",
     ]  # fmt: skip
     assert all(r["status"] == "ok" for r in steps.values())
