@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from compilecore.compile_cache import compile_cache_root
 from compilecore.config import EngineConfig
@@ -101,6 +102,30 @@ def kv_budget_after_profiling(
     return min(budget, int(free - activation_peak))
 
 
+def check_invariant_products(model: nn.Module, engine_config: EngineConfig) -> None:
+    """Batch-invariant mode refuses to start unless every product shape of `model` (its
+    linear layers and LM head, in the model's dtype, and fp32 where weights are quantized:
+    their products run on dequantized fp32) gives a row the same bits at every row count
+    (passes/ops/invariant_mm.py `check_rows`)."""
+    from models.layers.linear import LinearBase
+    from models.layers.vocab_embedding import ParallelLMHead
+    from passes.ops.invariant_mm import check_rows
+
+    shapes = set()
+    for module in model.modules():
+        if isinstance(module, LinearBase):  # this rank's slice of it
+            k = getattr(module, "input_size_per_partition", module.input_size)
+            shapes.add((k, getattr(module, "output_size_per_partition", module.output_size)))
+        elif isinstance(module, ParallelLMHead):
+            shapes.add((module.embedding_dim, module.num_embeddings_per_partition))
+    dtypes = {engine_config.model_config.dtype}
+    if engine_config.model_config.quant_config is not None:
+        dtypes.add(torch.float32)
+    for k, n in sorted(shapes):
+        for dtype in dtypes:
+            check_rows(k, n, dtype, engine_config.device)
+
+
 class Worker:
     def __init__(self, engine_config: EngineConfig):
         self.config = engine_config
@@ -109,6 +134,8 @@ class Worker:
         # caching allocator is shared by every engine in the process).
         self._reserved_before = torch.cuda.memory_reserved(engine_config.device) if cuda else 0
         self.model = load_model(engine_config)
+        if engine_config.compilation_config.batch_invariant:
+            check_invariant_products(self.model, engine_config)
         if engine_config.device.type == "cpu":
             pack_parameters(self.model)  # before compiling: pieces read weights in place
         backend = select_attention_backend(

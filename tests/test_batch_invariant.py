@@ -197,3 +197,34 @@ def test_a_prompt_is_chunked_where_it_is_chunked_alone(tiny_llama):
     assert invariant.compilation_config.compile_sizes == []
     assert [_chunks(invariant, n) for n in (0, 1, 3)] == [[32, 32, 6]] * 3
     assert _chunks(config(False), 0) != _chunks(config(False), 1)
+
+
+def test_start_up_check_fails_closed_on_a_variant_gemm(monkeypatch, tiny_llama):
+    """The check passes for whole tiles and refuses, naming the shape, when products are
+    not padded to them (ROWS=1: the library's kernel then depends on the row count),
+    where this machine's GEMM shows it. The worker's start-up check (run in this mode
+    before compiling) covers every product shape: QKV, o, gate_up, down and the head."""
+    from passes.ops import invariant_mm as op
+    from runtime import LLM
+    from runtime.worker import check_invariant_products
+
+    llm = LLM(str(tiny_llama[0]), enforce_eager=True)
+    config, model = llm.engine_config, llm.llm_engine.model
+    checked = []
+    real = op.check_rows
+    monkeypatch.setattr(op, "check_rows", lambda *a: checked.append(a[:2]) or real(*a))
+    check_invariant_products(model, config)
+    hf = tiny_llama[1].config
+    h, inter, d = hf.hidden_size, hf.intermediate_size, hf.hidden_size // hf.num_attention_heads
+    qkv = (hf.num_attention_heads + 2 * hf.num_key_value_heads) * d
+    assert set(checked) == {(h, qkv), (h, h), (h, 2 * inter), (inter, h), (h, hf.vocab_size)}
+    monkeypatch.setattr(op, "check_rows", real)
+    shape = (576, 1536)  # the default model's gate_up input
+    op.check_rows(*shape, torch.float32)
+    monkeypatch.setattr(op, "ROWS", 1)
+    a = torch.randn(48, shape[0])
+    b = torch.randn(shape[0], shape[1])
+    if all(torch.equal(torch.mm(a[:m], b), torch.mm(a, b)[:m]) for m in op.CHECKED_ROWS):
+        pytest.skip("this machine's GEMM gives every row count the same bits")
+    with pytest.raises(op.NotBatchInvariant, match=r"\[576 x 1536\] torch.float32"):
+        op.check_rows(*shape, torch.float32)

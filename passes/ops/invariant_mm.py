@@ -26,6 +26,32 @@ def invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(full, b)[:m]
 
 
+# Row counts the start-up check compares with a full tile: short, odd and past one tile.
+CHECKED_ROWS = (1, 2, 3, 5, 7, 11, 16, 17, 31)
+
+
+class NotBatchInvariant(RuntimeError):
+    """This machine's GEMM gives a row other bits beside other rows, even in whole tiles."""
+
+
+def check_rows(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    """Fail closed: `invariant_mm` of the first m rows, for each m in CHECKED_ROWS, must
+    give exactly the bits those rows get among 48 (a library whose kernel for a whole tile
+    still depends on the row count, or a build that changed it, would make batch-invariant
+    mode quietly variant). Raises NotBatchInvariant naming the shape."""
+    g = torch.Generator(device=device).manual_seed(k * 31 + n)
+    a = torch.randn(48, k, generator=g, device=device).to(dtype)
+    b = torch.randn(k, n, generator=g, device=device).to(dtype)
+    full = invariant_mm(a, b)
+    for m in CHECKED_ROWS:
+        if not torch.equal(invariant_mm(a[:m], b), full[:m]):
+            raise NotBatchInvariant(
+                f"batch_invariant: {m} rows of a [{k} x {n}] {dtype} product get other bits "
+                f"than the same rows among 48, even in whole tiles of {ROWS} rows: this "
+                "machine's GEMM cannot keep batch invariance (run without batch_invariant)"
+            )
+
+
 def _fake_invariant_mm(a, b):
     return a.new_empty(a.shape[0], b.shape[1])
 
