@@ -44,7 +44,7 @@ inline float dot_loop(const bf16* x, const bf16* w, int64_t K) {
 }
 
 // How far ahead of its loads a row's product asks for weights (bytes), or 0: the same
-// software prefetch as decode_layer.cpp's, set by the build (passes/native.py).
+// software prefetch as layer_kernels.cpp's, set by the build (passes/native.py).
 #ifndef CC_PREFETCH
 #define CC_PREFETCH 0
 #endif

@@ -105,7 +105,7 @@ inline float dot_fixed(const float* x, const bf16* w, const char* pf) {
 #endif
 }
 
-// layer_ops.py builds this file per model with the row lengths of its products
+// layer_kernels.py builds this file per model with the row lengths of its products
 // (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576) CC_DOT(1536)"`); other lengths loop.
 template <bool PF>
 inline float dot(const float* x, const bf16* w, int64_t K, const char* pf = nullptr) {
@@ -228,7 +228,7 @@ int64_t layer_kernels_available() {
 #if defined(__AVX512F__)
   return 1;
 #else
-  return 0;  // the ops run their torch references; the passes do not fire (layer_ops.py)
+  return 0;  // the ops run their torch references; the passes do not fire (passes/config.py)
 #endif
 }
 
