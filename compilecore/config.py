@@ -403,11 +403,6 @@ class EngineConfig:
                 "speculative_config cannot be used with async_scheduling yet (a step's "
                 "proposals need its last tokens on the host): drop one of them"
             )
-        if self.compilation_config.batch_invariant:
-            raise ValueError(
-                "speculative_config cannot be used with batch_invariant: a verification "
-                "step computes a request's tokens in other shapes than one at a time"
-            )
 
     @classmethod
     def for_hf_config(cls, hf_config: Any, **parts: Any) -> EngineConfig:

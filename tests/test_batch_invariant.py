@@ -228,3 +228,43 @@ def test_start_up_check_fails_closed_on_a_variant_gemm(monkeypatch, tiny_llama):
         pytest.skip("this machine's GEMM gives every row count the same bits")
     with pytest.raises(op.NotBatchInvariant, match=r"\[576 x 1536\] torch.float32"):
         op.check_rows(*shape, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_query_rows_attend_as_the_decodes_they_stand_for(dtype, monkeypatch):
+    """Batch-invariant mode's attention: each row of a 4-token query over a cached
+    context (a speculative verification) has the bits a decode at that position gets
+    alone; with such queries left to the chunk path (the control) some row differs."""
+    from runtime.attention import TorchPagedAttentionBackend, torch_paged
+    from runtime.attention.metadata import AttentionMetadata
+    from tests.attention_cases import Batch, build_case
+
+    def rows_and_decodes():
+        batch = Batch(block_size=4, kv_heads=2, heads=4, head_size=16, seqs=[(1, 1), (9, 4)],
+                      padding=0, seed=5, dtype=dtype)  # fmt: skip
+        case = build_case(batch)
+        backend = TorchPagedAttentionBackend(per_sequence=True)
+        out = torch.empty_like(case.q)
+        backend.forward(case.layer, case.q, case.k, case.v, out, case.meta)
+        decodes = []
+        for j in range(4):  # the query's rows, each alone as a decode at its position
+            length = 9 + j + 1
+            meta = AttentionMetadata(
+                num_actual_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                seq_lens=torch.tensor([length], dtype=torch.int32),
+                slot_mapping=torch.tensor([-1]), block_table=case.meta.block_table[1:2],
+                max_query_len=1, max_seq_len=length, num_decodes=1,
+                query_start_loc_cpu=[0, 1], seq_lens_cpu=[length],
+            )  # fmt: skip
+            alone = torch.empty_like(case.q[:1])
+            row = case.q[1 + j : 2 + j]
+            backend.forward(case.layer, row, case.k[:1], case.v[:1], alone, meta)
+            decodes.append(alone[0])
+        return out[1:5], torch.stack(decodes)
+
+    verified, decoded = rows_and_decodes()
+    assert torch.equal(verified, decoded)
+    monkeypatch.setattr(torch_paged, "ROWS_AS_DECODES", 0)
+    verified, decoded = rows_and_decodes()
+    if torch.equal(verified, decoded):
+        pytest.skip("the chunk path gives these rows the decodes' bits here")

@@ -45,6 +45,9 @@ def gather_slots(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Ten
 
 
 FP32_DECODE_MAX_LEN = 1024
+# Batch-invariant mode computes queries this short row by row, as decodes: a speculative
+# verification's rows then equal the decodes they stand for (tests/test_spec_decode.py).
+ROWS_AS_DECODES = 16
 
 
 @dataclass
@@ -56,7 +59,8 @@ class _StepPlan:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] or None (one sequence)
     decode_bias: torch.Tensor | None  # the same as 0 / -inf, for adding to scores
     prefill: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # start, end, slots, mask
-    decode_rows: list[torch.Tensor] = field(default_factory=list)  # per sequence (per_sequence)
+    # (row, its keys' slots): the rows computed one at a time (per_sequence)
+    decode_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 def _plan(meta: AttentionMetadata, block_size: int, decode: bool = True) -> _StepPlan:
@@ -105,10 +109,7 @@ class TorchPagedAttentionBackend:
         if plan is None:
             plan = _plan(meta, kv_cache.shape[2], decode=not self.per_sequence)
             if self.per_sequence:
-                plan.decode_rows = [
-                    token_slots(meta.block_table[i], int(meta.seq_lens_cpu[i]), kv_cache.shape[2])
-                    for i in range(meta.num_decodes)
-                ]
+                self._rows_as_decodes(meta, plan, kv_cache.shape[2])
             meta.cache["torch_paged"] = plan
         h, d = layer.num_heads, layer.head_size
         n, nd = meta.num_actual_tokens, meta.num_decodes
@@ -119,14 +120,29 @@ class TorchPagedAttentionBackend:
             kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slots, v[:n].reshape(n, kvh, d))
         else:
             write_kv_cache(kv_cache, k[:n], v[:n], meta.slot_mapping[:n])
-        if nd and self.per_sequence:
-            for i, slots in enumerate(plan.decode_rows):
+        if self.per_sequence:
+            for i, slots in plan.decode_rows:
                 ks, vs = gather_slots(kv_cache, slots[None])
                 output[i] = self._decode(q[i].reshape(1, h, 1, d), ks, vs, layer.scale)[0]
         elif nd:
             ks, vs = gather_slots(kv_cache, plan.decode_slots)  # [nd, KV, L, D]
             output[:nd] = self._decode(q[:nd].reshape(nd, h, 1, d), ks, vs, layer.scale, plan)
         self._prefill(layer, q, kv_cache, output, plan)
+
+    @staticmethod
+    def _rows_as_decodes(meta: AttentionMetadata, plan: _StepPlan, block_size: int) -> None:
+        """Batch-invariant mode: each decode, and each row of a query of at most
+        ROWS_AS_DECODES tokens (a speculative verification), attends in the call a decode
+        at its position makes, so a verified token gets the bits decoding gives it."""
+        starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        for i in range(meta.num_seqs):
+            s, e = starts[i], starts[i + 1]
+            if i >= meta.num_decodes and e - s > ROWS_AS_DECODES:
+                continue
+            for row in range(s, e):
+                length = int(lens[i]) - (e - 1 - row)  # the keys up to its own position
+                plan.decode_rows.append((row, token_slots(meta.block_table[i], length, block_size)))
+        plan.prefill = [p for p in plan.prefill if p[1] - p[0] > ROWS_AS_DECODES]
 
     @staticmethod
     def _prefill(layer, q, kv_cache, output, plan: _StepPlan) -> None:
