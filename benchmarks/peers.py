@@ -31,6 +31,12 @@ def llama_tool(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def ik_tool(name: str) -> Path | None:
+    """ik_llama.cpp's build of a tool (setup_peers.sh --ik PATH), or None."""
+    path = peers_dir() / "ik_llama.cpp-build" / "bin" / name
+    return path if path.is_file() else None
+
+
 def has_llama_cpp_python() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 

@@ -9,7 +9,14 @@
 #     own convert_hf_to_gguf.py (same weights for every peer)
 # Safe to run again: each step is skipped when its output exists.
 # `compilecore bench latency|throughput|serve` find the peers through benchmarks/peers.py.
+#   - ik_llama.cpp's llama-bench (the fork that leads llama.cpp on CPU), when its source
+#     tree is given: `setup_peers.sh --ik PATH` or IK_LLAMA_CPP_SRC=PATH (a checkout, or
+#     `git archive` of one); skipped with one line otherwise. Its AVX-512 paths are
+#     CMake options of their own (off by default, not implied by GGML_NATIVE): each is
+#     turned on where /proc/cpuinfo lists the feature.
 set -euo pipefail
+ik_src="${IK_LLAMA_CPP_SRC:-}"
+if [ "${1:-}" = "--ik" ]; then ik_src="${2:?--ik needs the ik_llama.cpp source folder}"; fi
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -59,4 +66,20 @@ for outtype in bf16 q8_0; do
         mv "$gguf.tmp" "$gguf"
     fi
 done
+
+ik_build="$peers/ik_llama.cpp-build"
+if [ -z "$ik_src" ]; then
+    echo "[peers] ik_llama.cpp: no source tree given (--ik PATH or IK_LLAMA_CPP_SRC), skipped" >&2
+elif [ ! -x "$ik_build/bin/llama-bench" ]; then
+    [ -f "$ik_src/CMakeLists.txt" ] || { echo "[peers] $ik_src is not an ik_llama.cpp tree" >&2; exit 1; }
+    flags=()
+    for pair in avx512f:GGML_AVX512 avx512_vnni:GGML_AVX512_VNNI avx512_bf16:GGML_AVX512_BF16 \
+                avx512vbmi:GGML_AVX512_VBMI; do
+        if grep -qw "${pair%%:*}" /proc/cpuinfo; then flags+=("-D${pair#*:}=ON"); fi
+    done
+    echo "[peers] building ik_llama.cpp's llama-bench (native${flags[*]:+, ${flags[*]}}; ~10 min)" >&2
+    cmake -S "$ik_src" -B "$ik_build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON "${flags[@]}" \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_CUDA=OFF >/dev/null
+    cmake --build "$ik_build" -j"$(nproc)" --target llama-bench >/dev/null
+fi
 echo "[peers] ready in $peers" >&2
