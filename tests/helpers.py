@@ -167,3 +167,15 @@ def native_cpu_kernels() -> bool:
     from passes.ops import layer_kernels
 
     return layer_kernels.available()
+
+
+def completions(llm, prompts, params) -> list[tuple]:
+    """Each request's (token ids, finish reason, text): what two engines must agree on."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+
+
+def all_blocks_free(llm) -> bool:
+    """No KV block is held (every request finished and freed its own)."""
+    bm = llm.llm_engine.scheduler.block_manager
+    return bm.num_free_blocks == bm.num_blocks

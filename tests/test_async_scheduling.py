@@ -18,6 +18,7 @@ from runtime import LLM, SamplingParams
 from runtime.cpu_sampling import degenerate_row_token
 from runtime.request import Request
 from runtime.sampler import Sampler
+from tests.helpers import all_blocks_free, completions
 
 pytestmark = pytest.mark.slow
 ENGINE = {"dtype": "float32", "block_size": 4, "max_model_len": 96}
@@ -30,16 +31,6 @@ def engines(tiny_llama, tmp_path_factory):
     made = [LLM(str(tiny_llama[0]), async_scheduling=on, compilation_config=config, **ENGINE)
             for on in (True, False)]  # fmt: skip
     return tuple(made)
-
-
-def _outputs(llm: LLM, prompts, params) -> list[tuple]:
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
-
-
-def _all_blocks_free(llm: LLM) -> bool:
-    bm = llm.llm_engine.scheduler.block_manager
-    return bm.num_free_blocks == bm.num_blocks
 
 
 @testing.settings(max_examples=8)
@@ -56,17 +47,17 @@ def test_async_greedy_equals_sync(engines, lengths, max_tokens, stop_at, seed):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 300, n).tolist() for n in lengths]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
-    want = _outputs(oracle, prompts, params[: len(prompts)])
+    want = completions(oracle, prompts, params[: len(prompts)])
     if stop_at is not None:
         stop = want[0][0][min(stop_at, len(want[0][0]) - 1)]
         params = [SamplingParams(temperature=0, max_tokens=m, stop_token_ids=[stop])
                   for m in max_tokens]  # fmt: skip
-        want = _outputs(oracle, prompts, params[: len(prompts)])
+        want = completions(oracle, prompts, params[: len(prompts)])
     before = fast.llm_engine.num_fed_steps
-    assert _outputs(fast, prompts, params[: len(prompts)]) == want
+    assert completions(fast, prompts, params[: len(prompts)]) == want
     if max(p.max_tokens for p in params[: len(prompts)]) > 1:
         assert fast.llm_engine.num_fed_steps > before  # ids went device to device
-    assert _all_blocks_free(fast)
+    assert all_blocks_free(fast)
 
 
 def test_stop_strings_and_the_model_length_one_step_late(engines):
@@ -75,19 +66,19 @@ def test_stop_strings_and_the_model_length_one_step_late(engines):
     fast, oracle = engines
     prompts = ["The quick brown fox", "Compilers turn programs"]
     free = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    text = _outputs(oracle, prompts[:1], free)[0][2]
+    text = completions(oracle, prompts[:1], free)[0][2]
     stop = text[len(text) // 2 :][:3]
     params = SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True)
-    assert _outputs(fast, prompts, params) == _outputs(oracle, prompts, params)
+    assert completions(fast, prompts, params) == completions(oracle, prompts, params)
     long = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-    got = _outputs(fast, prompts, long)
-    assert got == _outputs(oracle, prompts, long)
+    got = completions(fast, prompts, long)
+    assert got == completions(oracle, prompts, long)
     assert {reason for _, reason, _ in got} == {"length"}
-    assert _all_blocks_free(fast)
+    assert all_blocks_free(fast)
     # 5 tokens: a prefill and 4 fed decode steps; none after the fifth, whose id is still
     # on the device when the next step is planned.
     before = fast.llm_engine.num_fed_steps
-    _outputs(fast, prompts[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    completions(fast, prompts[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert fast.llm_engine.num_fed_steps - before == 4
 
 
@@ -104,9 +95,9 @@ def test_sampled_requests_draw_on_the_device_as_the_sync_engine_does(engines):
               SamplingParams(temperature=0.6, top_p=0.5, seed=5, max_tokens=9,
                              ignore_eos=True)]  # fmt: skip
     before = fast.llm_engine.num_fed_steps
-    assert _outputs(fast, prompts, params) == _outputs(oracle, prompts, params)
+    assert completions(fast, prompts, params) == completions(oracle, prompts, params)
     assert fast.llm_engine.num_fed_steps - before == 14  # 15 steps: a prefill, 14 fed
-    assert _all_blocks_free(fast)
+    assert all_blocks_free(fast)
 
 
 def test_a_request_that_samples_on_the_host_drains_the_pipeline(engines):
@@ -120,10 +111,10 @@ def test_a_request_that_samples_on_the_host_drains_the_pipeline(engines):
               SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)]  # fmt: skip
     before = fast.llm_engine.num_fed_steps
-    assert _outputs(fast, prompts, params) == _outputs(oracle, prompts, params)
+    assert completions(fast, prompts, params) == completions(oracle, prompts, params)
     # Step 10, the first after it finished, starts the pipeline; steps 11-15 are fed.
     assert fast.llm_engine.num_fed_steps - before == 15 - 10
-    assert _all_blocks_free(fast)
+    assert all_blocks_free(fast)
 
 
 def test_prefix_cache_hashes_only_known_tokens(engines):
@@ -132,12 +123,12 @@ def test_prefix_cache_hashes_only_known_tokens(engines):
     fast, oracle = engines
     params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
     first = [7, 8, 9]
-    tokens = _outputs(fast, [first], params)[0][0]
+    tokens = completions(fast, [first], params)[0][0]
     again = first + tokens[:12] + [4]
     before = fast.llm_engine.scheduler.block_manager.num_free_blocks
     out = fast.generate([again], params, use_tqdm=False)[0]
     assert out.num_cached_tokens >= 12  # 3 full blocks of 4
-    assert out.outputs[0].token_ids == _outputs(oracle, [again], params)[0][0]
+    assert out.outputs[0].token_ids == completions(oracle, [again], params)[0][0]
     assert fast.llm_engine.scheduler.block_manager.num_free_blocks == before
 
 
@@ -159,8 +150,8 @@ def test_an_abort_while_a_step_is_in_flight(engines):
         engine.step()
     engine.step()  # reads what is left in flight
     assert reqs[0].output_token_ids == kept and reqs[0].finish_reason == "abort"
-    assert reqs[1].output_token_ids == _outputs(oracle, [[6, 17, 42]], params)[0][0]
-    assert _all_blocks_free(fast)
+    assert reqs[1].output_token_ids == completions(oracle, [[6, 17, 42]], params)[0][0]
+    assert all_blocks_free(fast)
 
 
 def _rows(params: list[SamplingParams]) -> list[Request]:

@@ -23,6 +23,7 @@ from runtime.spec_decode import (
     ngram_proposal,
     sample_verified,
 )
+from tests.helpers import all_blocks_free, completions
 
 ENGINE = {"dtype": "float32", "block_size": 4, "max_model_len": 96}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -97,16 +98,6 @@ def engines(tiny_llama, tmp_path_factory):
     return tuple(made)
 
 
-def _outputs(llm: LLM, prompts, params) -> list[tuple]:
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
-
-
-def _all_blocks_free(llm: LLM) -> bool:
-    bm = llm.llm_engine.scheduler.block_manager
-    return bm.num_free_blocks == bm.num_blocks
-
-
 def _prompts(rng, count: int) -> list[list[int]]:
     """Prompts that repeat phrases (so lookups find drafts, right and wrong)."""
     prompts = []
@@ -131,10 +122,10 @@ def test_greedy_tokens_equal_without_speculation(engines, batch):
         got += [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
         drafted += sum(o.metrics.num_draft_tokens for o in outs)
         accepted += sum(o.metrics.num_accepted_tokens for o in outs)
-        want += [(t, r) for t, r, _ in _outputs(plain, chunk, params)]
+        want += [(t, r) for t, r, _ in completions(plain, chunk, params)]
     assert got == want
     assert 0 < accepted < drafted
-    assert _all_blocks_free(spec)
+    assert all_blocks_free(spec)
 
 
 @pytest.mark.slow
@@ -157,7 +148,7 @@ def test_stops_and_mixed_requests_equal_without_speculation(
     prompts = _prompts(rng, len(lengths))
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     params = params[: len(prompts)]
-    want = _outputs(plain, prompts, params)
+    want = completions(plain, prompts, params)
     if stop_at is not None:
         tokens = want[0][0]
         stop = tokens[min(stop_at, len(tokens) - 1)]
@@ -168,11 +159,11 @@ def test_stops_and_mixed_requests_equal_without_speculation(
     prompts += [prompts[0], prompts[-1]]
     params += [SamplingParams(temperature=0.8, seed=seed, max_tokens=12),
                SamplingParams(temperature=0, logprobs=2, max_tokens=12)]  # fmt: skip
-    got = _outputs(spec, prompts, params)
-    want = _outputs(plain, prompts, params)
+    got = completions(spec, prompts, params)
+    want = completions(plain, prompts, params)
     assert got[:-2] + got[-1:] == want[:-2] + want[-1:]
-    assert _outputs(spec, prompts, params)[-2] == got[-2]
-    assert _all_blocks_free(spec)
+    assert completions(spec, prompts, params)[-2] == got[-2]
+    assert all_blocks_free(spec)
 
 
 @pytest.mark.slow
@@ -184,10 +175,10 @@ def test_preemption_under_speculation(tiny_llama, engines):
                 enforce_eager=True, **ENGINE)  # fmt: skip
     prompts = _prompts(np.random.default_rng(7), 6)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    assert _outputs(small, prompts, params) == _outputs(plain, prompts, params)
+    assert completions(small, prompts, params) == completions(plain, prompts, params)
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert small.llm_engine.spec_counts["num_accepted_tokens"] > 0
-    assert _all_blocks_free(small)
+    assert all_blocks_free(small)
 
 
 @pytest.mark.parametrize(
