@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from compilecore.config import CacheConfig, SchedulerConfig
+from runtime.attention.torch_paged import ROWS_AS_DECODES
 from runtime.block_manager import BlockManager
 from runtime.request import Request, RequestStatus
 
@@ -85,12 +86,14 @@ class Scheduler:
                 i += 1  # its last token is on the device: nothing after it to compute
                 continue
             remaining = req.num_scheduled_tokens - req.num_computed_tokens
-            num_new = self._chunk(remaining, budget)
+            num_new = self._chunk(req, remaining, budget)
             if num_new == 0:  # batch-invariant mode: its chunk waits for a step it fits in
                 i += 1
                 continue
-            # A decode's drafts ride along as far as the budget allows.
-            drafts = req.spec.drafts[: budget - 1] if remaining == 1 else []
+            # A decode's drafts ride along as far as the budget allows (in batch-invariant
+            # mode as far as its rows still attend as decodes).
+            room = budget if self.config.invariant_chunk is None else min(budget, ROWS_AS_DECODES)
+            drafts = req.spec.drafts[: room - 1] if remaining == 1 else []
             num_new += len(drafts)
             while not self.block_manager.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens + num_new
@@ -115,7 +118,7 @@ class Scheduler:
             remaining = req.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
-            num_new = self._chunk(remaining, budget)
+            num_new = self._chunk(req, remaining, budget)
             if num_new == 0:
                 break
             if not self.block_manager.allocate_slots(
@@ -131,14 +134,18 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
-    def _chunk(self, remaining: int, budget: int) -> int:
-        """Tokens to compute for a request now; in batch-invariant mode a whole chunk of
-        `invariant_chunk` (or the rest) or nothing, so a prompt is cut where a run alone
-        cuts it."""
+    def _chunk(self, req: Request, remaining: int, budget: int) -> int:
+        """Tokens to compute for a request now. In batch-invariant mode a prompt is cut
+        where a run alone cuts it (whole chunks of `invariant_chunk` from its start, or
+        nothing) and never past its end; the tokens after it (a recompute after
+        preemption) go at most ROWS_AS_DECODES at a time, rows that attend as the decodes
+        that first computed them."""
         size = self.config.invariant_chunk
         if size is None:
             return min(remaining, budget)
-        chunk = min(remaining, size)
+        done, prompt = req.num_computed_tokens, req.num_prompt_tokens
+        limit = prompt - done if done < prompt else ROWS_AS_DECODES
+        chunk = min(remaining, size, limit)
         return chunk if chunk <= budget else 0
 
     def _preempt(self, req: Request) -> None:

@@ -111,6 +111,24 @@ def test_any_mixture_of_requests_gives_each_its_result_alone(invariant_llm, mixt
         assert _result(out) == alone[i, kind], (i, kind)
 
 
+def test_preempted_requests_recompute_their_own_bits(invariant_llm, tiny_llama, tmp_path):
+    """A KV cache of 8 blocks (128 tokens) for 8 requests: requests are preempted after generating and
+    recomputed (prompt in its own chunks, then the generated tokens as rows that attend as
+    the decodes that made them), and each still gets its tokens and logprobs alone."""
+    from runtime import LLM
+
+    _, alone = invariant_llm
+    cc = {"batch_invariant": True, "cache_dir": str(tmp_path)}
+    small = LLM(str(tiny_llama[0]), max_model_len=128, max_num_batched_tokens=40,
+                max_num_seqs=8, kv_cache_memory=8 * 8192, compilation_config=cc)  # fmt: skip
+    assert small.llm_engine.scheduler.block_manager.num_blocks == 8
+    kinds = [i % 3 for i in range(len(PROMPT_LENS))]
+    outs = small.generate(_prompts(), [_params(k) for k in kinds], use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    for i, (kind, out) in enumerate(zip(kinds, outs)):
+        assert _result(out) == alone[i, kind], (i, kind)
+
+
 def test_without_the_mode_a_batch_changes_the_numbers(tiny_llama, tmp_path):
     """The control: the same engine without the mode gives other logprobs in a batch (the
     test above can fail). Skipped, with the reason, on a machine where it happens not to."""
