@@ -112,9 +112,10 @@ def test_any_mixture_of_requests_gives_each_its_result_alone(invariant_llm, mixt
 
 
 def test_preempted_requests_recompute_their_own_bits(invariant_llm, tiny_llama, tmp_path):
-    """A KV cache of 8 blocks (128 tokens) for 8 requests: requests are preempted after generating and
-    recomputed (prompt in its own chunks, then the generated tokens as rows that attend as
-    the decodes that made them), and each still gets its tokens and logprobs alone."""
+    """A KV cache of 8 blocks (128 tokens) for 8 requests: requests are preempted after
+    generating and recomputed (prompt in its own chunks, then the generated tokens as rows
+    that attend as the decodes that made them); each still gets its tokens and logprobs
+    alone."""
     from runtime import LLM
 
     _, alone = invariant_llm
