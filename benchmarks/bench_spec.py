@@ -4,9 +4,10 @@
 
 Two prompts through the chat template: an input-grounded one (rewrite a given text, where
 lookups find what the answer quotes) and a free one. Per round and configuration, a fresh
-request (no prefix-cache hit: each round's prompt starts with its own round number) is
-decoded greedily; prints tok/s medians and ranges, each configuration over plain decoding
-in the same round, the acceptance, and whether the tokens equal plain decoding's.
+request (prefix caching off: each round computes its whole prompt) is decoded greedily.
+Prints tok/s medians and ranges, each configuration over plain decoding in the same
+round, the acceptance, a verification step's time in plain decode steps (medians), and
+whether the tokens equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,23 @@ def run(llm: LLM, prompt: str, tokens: int) -> tuple[float, list[int], object]:
     return len(out.outputs[0].token_ids) / seconds, out.outputs[0].token_ids, out.metrics
 
 
+def _time_steps(llm: LLM) -> None:
+    """Record each decode-only step's milliseconds in `llm.step_ms`, split by whether it
+    verified drafts: the cost a verification has in plain steps."""
+    engine = llm.llm_engine
+    run_step = engine._run
+
+    def timed(out):
+        start = time.perf_counter()
+        finished = run_step(out)
+        if all(s.num_new_tokens - len(s.drafts) == 1 for s in out.scheduled):
+            drafted = any(s.drafts for s in out.scheduled)
+            llm.step_ms[drafted].append((time.perf_counter() - start) * 1e3)
+        return finished
+
+    engine._run = timed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="default: the embedded default model")
@@ -51,7 +69,12 @@ def main() -> None:
     configs = {"plain": None}
     for k in args.k:
         configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k}
-    llms = {name: LLM(args.model, speculative_config=spec) for name, spec in configs.items()}
+    # No prefix cache: every round computes its whole prompt, as the first did.
+    llms = {name: LLM(args.model, speculative_config=spec, enable_prefix_caching=False)
+            for name, spec in configs.items()}  # fmt: skip
+    for llm in llms.values():
+        llm.step_ms = {False: [], True: []}  # decode-only steps' times, by drafts in them
+        _time_steps(llm)
     print(f"{machine()}; batch 1, {args.tokens} greedy tokens, {args.rounds} rounds")
     for label, text in (("grounded", GROUNDED), ("free", FREE)):
         speeds = {name: [] for name in llms}
@@ -76,7 +99,8 @@ def main() -> None:
             if name != "plain":
                 q = ratios[name]
                 rate, length = accept[name]
-                cost = llms[name].llm_engine.proposer.cost_ratio
+                times = llms[name].step_ms
+                cost = statistics.median(times[True]) / statistics.median(times[False])
                 line += (f"  {statistics.median(q):.2f}x ({min(q):.2f}-{max(q):.2f})"
                          f"  a verification {cost:.1f} steps"
                          f"  accepted {rate or 0:.0%}, {length or 1:.2f} tokens/step"

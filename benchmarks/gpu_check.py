@@ -579,13 +579,15 @@ def step_attention_trips(check: Check) -> dict:
     """Decode attention (the Triton kernel and its merge, split count fixed for a 4096
     context as a full graph's capture fixes it) at 16, 64 and 128 keys a loop trip:
     device us per call (CUDA graphs of 20 calls), each checked against the torch
-    backend. TRIP_TOKENS is the default; this says whether it should be."""
+    backend; the best as KV bytes a second over the part's nominal peak. TRIP_TOKENS is
+    the default; this says whether it should be."""
     if check.dry_run:
         return {"skipped": "CUDA only (tests/test_triton_attention.py interprets the kernel)"}
     from runtime.attention.torch_paged import TorchPagedAttentionBackend
     from runtime.attention.triton_paged import TRIP_TOKENS, paged_attention_triton
 
-    result: dict = {"default_trip_tokens": TRIP_TOKENS}
+    part = nominal_bandwidth(torch.cuda.get_device_name())  # (name, TB/s) or None
+    result: dict = {"default_trip_tokens": TRIP_TOKENS, "part": part and part[0]}
     for batch, context in ATTENTION_CASES:
         q, cache, meta = _decode_case(batch, context, "cuda")
         layer = type("Layer", (), dict(num_heads=32, num_kv_heads=8, head_size=64,
@@ -604,6 +606,10 @@ def step_attention_trips(check: Check) -> dict:
                 raise StepFailed(f"batch {batch} context {context} trip {trip}: off by {err}",
                                  result)  # fmt: skip
             case[f"trip_{trip}_us"] = _graph_us(fn)
+        kv_bytes = batch * context * 8 * 64 * 2 * 2  # K and V, bf16
+        best = min(v for t, v in case.items() if t.endswith("_us"))
+        case["best_KV_TB_s"] = kv_bytes / best / 1e6
+        case["best_of_peak"] = part and case["best_KV_TB_s"] / part[1]
         result[f"batch_{batch}_ctx_{context}"] = case
     return result
 
@@ -615,7 +621,8 @@ GEMV_TILES = ((16, 256, 4), (32, 128, 4), (8, 512, 4), (16, 512, 8), (64, 128, 4
 
 def step_splitk_gemv(check: Check) -> dict:
     """The split-K GEMV (`passes/splitk_gemv.py`) against cuBLAS at 1 row, bf16, on the
-    1B-class model's products: device us a call of the partials and of partials + sum
+    1B-class model's products (weight bytes a second, best and cuBLAS's, as a fraction of
+    the part's nominal peak too): device us a call of the partials and of partials + sum
     (a consumer would fuse the sum), for each tile at the default split count and twice
     it, checked against the product; then batch-1 decode with the pass on and off (both
     with static-size code for 1 token), tokens compared."""
@@ -624,7 +631,8 @@ def step_splitk_gemv(check: Check) -> dict:
     from passes.ops.gemv_partials import GemvTile, choose_splits, gemv_partials_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    result: dict = {}
+    part = nominal_bandwidth(torch.cuda.get_device_name())  # (name, TB/s) or None
+    result: dict = {"part": part and part[0], "nominal_TB_s": part and part[1]}
     for n, k in GEMV_SHAPES:
         x = torch.randn(1, k, device="cuda", generator=g).bfloat16()
         w = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02
@@ -641,8 +649,10 @@ def step_splitk_gemv(check: Check) -> dict:
                 case[label] = _graph_us(fn)
                 case[label + "+sum"] = _graph_us(lambda fn=fn: fn().sum(0).bfloat16())
         best = min((v, t) for t, v in case.items() if t != "cublas_us" and "+sum" not in t)
-        case.update(best=best[1], best_vs_cublas=case["cublas_us"] / best[0],
-                    best_TB_s=n * k * 2 / best[0] / 1e6)  # fmt: skip
+        tb_s, cublas_tb_s = n * k * 2 / best[0] / 1e6, n * k * 2 / case["cublas_us"] / 1e6
+        case.update(best=best[1], best_vs_cublas=case["cublas_us"] / best[0], best_TB_s=tb_s,
+                    best_of_peak=part and tb_s / part[1],
+                    cublas_of_peak=part and cublas_tb_s / part[1])  # fmt: skip
         result[f"{n}x{k}"] = case
     check.drop()
     tokens = {}

@@ -192,7 +192,6 @@ class LLMEngine:
         return finished
 
     def _run(self, out: SchedulerOutput) -> list[Request]:
-        start = time.perf_counter()
         plan, sampling, prompt_rows, draft_rows = plan_step(out, self.scheduler.block_manager)
         logits = self.executor.execute(plan)
         self.scheduler.advance(out)
@@ -207,10 +206,6 @@ class LLMEngine:
             if len(requests) != len(plan.logits_rows):  # no torch call otherwise: each is cold
                 logits = logits[: len(requests)]
             finished += self._append_sampled(requests, logits)
-        if self.proposer is not None and all(
-            s.num_new_tokens - len(s.drafts) == 1 for s in out.scheduled
-        ):  # a step of decodes only: what the proposer weighs drafts against
-            self.proposer.timed(time.perf_counter() - start, bool(draft_rows))
         return finished
 
     def _append_sampled(self, requests: list[Request], logits) -> list[Request]:
@@ -240,12 +235,12 @@ class LLMEngine:
         rejection rule): the accepted drafts and the token after them are appended one by
         one through the stop checks; the computed count steps back over the rejected."""
         req, drafts = rows.request, rows.drafts
-        if not _drawable(logits):  # row 0 as a plain step treats it; no draft kept
-            targets = self.sampler(logits[:1], [req], self.eos_token_ids).token_ids
-            accepted = 0
-        elif req.sampling_params.greedy:
+        if req.sampling_params.greedy:  # degenerate rows: the sampler's own rule per row
             targets = self.sampler(logits, [req] * len(logits), self.eos_token_ids).token_ids
             accepted = accepted_length(targets, drafts)
+        elif not _drawable(logits):  # row 0 as a plain step treats it; no draft kept
+            targets = self.sampler(logits[:1], [req], self.eos_token_ids).token_ids
+            accepted = 0
         else:  # only requests whose draws nothing but the filters shape (Proposer.eligible)
             probs = filter_logits(logits.float(), [req.sampling_params] * len(logits))
             targets = sample_verified(

@@ -99,17 +99,15 @@ def accepted_length(targets: list[int], drafts: list[int]) -> int:
 
 
 class Proposer:
-    """Drafts for each decoding request, and when to stop proposing: a verification step
-    costs `cost_ratio` plain decode steps (measured by the engine, shown, not used), so a
-    request's speculation pays while its verifications emit more tokens than that. The
-    decision uses the fixed `min_tokens_per_verification` instead, from the request's
-    own counts only: which steps verify changes the shapes its tokens are computed in,
-    and that must not depend on timing."""
+    """Drafts for each decoding request, and when to stop proposing: speculation pays
+    while a request's verifications emit more tokens than a verification step costs in
+    plain steps (benchmarks/bench_spec.py measures that cost). The decision reads the fixed
+    `min_tokens_per_verification` and the request's own counts only: which steps verify
+    changes the shapes its tokens are computed in, and that must not depend on timing."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
-        self.step_seconds: dict[bool, float] = {}  # EMA of decode-only steps, by drafts
 
     def propose(self, req: Request) -> list[int]:
         """The drafts for `req`'s next step, or [] (not decoding, not plain greedy, near
@@ -137,18 +135,6 @@ class Proposer:
             and req.num_pending == 0
             and req.num_computed_tokens == req.num_tokens - 1
         )
-
-    def timed(self, seconds: float, verified: bool) -> None:
-        """A step of decodes only, with drafts or without: its wall-clock seconds."""
-        last = self.step_seconds.get(verified)
-        self.step_seconds[verified] = seconds if last is None else last + 0.2 * (seconds - last)
-
-    @property
-    def cost_ratio(self) -> float:
-        """A verification step's time over a plain decode step's (1 until both ran)."""
-        if len(self.step_seconds) < 2:
-            return 1.0
-        return self.step_seconds[True] / self.step_seconds[False]
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """A verification's outcome. Every RECENT verifications, tokens emitted per

@@ -235,13 +235,17 @@ def test_cli_metrics_and_report(engines, capsys):
     assert f"drafts accepted {m.acceptance_rate:.0%}" in capsys.readouterr().err
 
 
+def _chi_square_sf(stat: torch.Tensor, df: int) -> float:
+    """P(chi-square with `df` degrees of freedom >= stat)."""
+    return torch.special.gammaincc(torch.tensor(df / 2.0, dtype=stat.dtype), stat / 2).item()
+
+
 def _chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> float:
     """P-value of a chi-square goodness-of-fit test (categories with expected > 0)."""
     keep = expected > 0
     assert observed[~keep].sum() == 0, "a token drawn that has probability 0"
     obs, exp = observed[keep].double(), expected[keep].double()
-    stat = ((obs - exp) ** 2 / exp).sum()
-    return torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2.0), stat / 2).item()
+    return _chi_square_sf(((obs - exp) ** 2 / exp).sum(), len(obs) - 1)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -298,8 +302,7 @@ def test_sampled_speculation_matches_plain_sampling_in_distribution(engines):
             dtype=torch.float64,
         )
         expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-        stat = ((table - expected) ** 2 / expected).sum()
-        p = torch.special.gammaincc(torch.tensor((len(tokens) - 1) / 2.0), stat / 2).item()
+        p = _chi_square_sf(((table - expected) ** 2 / expected).sum(), len(tokens) - 1)
         assert p > 1e-3, (position, table)
 
 
