@@ -107,11 +107,15 @@ class PassConfig:
         """Whether q8 products get `int8_x=True` (the pass's and the quantized LM head's)."""
         return device_type == "cpu" and self.int8_activations
 
-    def resolved(self, device_type: str, kernels_build: bool = True) -> dict[str, bool]:
-        """Each switch on or off; `kernels_build`: whether our CPU kernels build here."""
+    def resolved(
+        self, device_type: str, built: frozenset[str] = CPU_NATIVE_PASSES
+    ) -> dict[str, bool]:
+        """Each switch on or off; `built`: the passes of `CPU_NATIVE_PASSES` whose C kernels
+        build (and are vectorized) on this CPU (`passes.manager.native_passes_built`)."""
         defaults = dict(DEVICE_DEFAULTS.get(device_type, DEVICE_DEFAULTS["cpu"]))
-        if device_type == "cpu" and not (self.native_kernels and kernels_build):
-            defaults |= dict.fromkeys(CPU_NATIVE_PASSES, False)
+        if device_type == "cpu":
+            off = CPU_NATIVE_PASSES - (built if self.native_kernels else frozenset())
+            defaults |= dict.fromkeys(off, False)
         switches = {
             name: default if getattr(self, name) is None else bool(getattr(self, name))
             for name, default in defaults.items()

@@ -10,6 +10,7 @@ enabled fusions (all-reduce first), clean-up.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import inspect
 import json
@@ -24,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from passes.base import GraphPass
 from passes.cleanup import CleanupPass
-from passes.config import PassConfig, PassContext
+from passes.config import CPU_NATIVE_PASSES, PassConfig, PassContext
 from passes.noop_elimination import NoOpEliminationPass
 from passes.verifier import has_collectives, verify_pass
 
@@ -120,10 +121,16 @@ def build_passes(
     return passes
 
 
-def _kernels_build() -> bool:
-    from passes.ops import layer_kernels
+@functools.cache
+def native_passes_built() -> frozenset[str]:
+    """The CPU passes whose C kernels build and are vectorized here: all of them with
+    AVX-512 (`layer_kernels`); with AVX2 + FMA only the quantized products
+    (`quant_kernels.cpp`'s fp32 row products), the rest left to Inductor."""
+    from passes.ops import layer_kernels, quantized
 
-    return layer_kernels.available()
+    if layer_kernels.available():
+        return CPU_NATIVE_PASSES
+    return frozenset({"quantized_linear"} if quantized.kernel_path() != "portable" else ())
 
 
 class PostGradPassManager(CustomGraphPass):
@@ -136,7 +143,7 @@ class PostGradPassManager(CustomGraphPass):
     ):
         self.config = config or PassConfig()
         self.context = context or PassContext()
-        self.switches = self.config.resolved(self.context.device_type, _kernels_build())
+        self.switches = self.config.resolved(self.context.device_type, native_passes_built())
         if passes is None:
             passes = build_passes(self.switches, self.context, custom_passes, self.config)
         self.passes = passes

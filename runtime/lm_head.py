@@ -24,7 +24,8 @@ from torch import nn
 from compilecore.compiled_function import StaticShapeFunction
 from compilecore.config import EngineConfig
 from models.layers.logits_processor import LogitsProcessor
-from passes.ops import gemv, layer_kernels, packed_linear, quantized
+from passes.manager import native_passes_built
+from passes.ops import gemv, packed_linear, quantized
 from passes.ops.invariant_mm import invariant_mm
 
 
@@ -34,7 +35,7 @@ def batched_lm_head(engine_config: EngineConfig) -> Callable | None:
         engine_config.device.type != "cpu"
         or cc.mode == "none"
         or dtype not in packed_linear.supported_dtypes()
-        or not cc.passes.resolved("cpu")["packed_linear"]
+        or not cc.passes.resolved("cpu", native_passes_built())["packed_linear"]
     ):
         return None
     return torch.ops.compilecore.packed_mm
@@ -76,7 +77,7 @@ def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
     cc = engine_config.compilation_config
     if engine_config.device.type != "cpu" or cc.mode == "none":
         return None
-    if cc.passes.resolved("cpu", layer_kernels.available())["quantized_linear"]:
+    if cc.passes.resolved("cpu", native_passes_built())["quantized_linear"]:
         return None
     # Q6_K's 6-bit values are q8's held in fewer bits: the q8 reduction unpacks them.
     small = {True: StaticShapeFunction(q4_logits_reduction, engine_config),
@@ -118,7 +119,7 @@ def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> Non
     int8 = (
         cc.mode != "none"
         and cc.passes.int8_x(device)
-        and cc.passes.resolved(device)["quantized_linear"]
+        and cc.passes.resolved(device, native_passes_built())["quantized_linear"]
     )
     quantized_head = compiled_quantized_head(engine_config)
     for module in model.modules():

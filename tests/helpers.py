@@ -169,6 +169,15 @@ def native_cpu_kernels() -> bool:
     return layer_kernels.available()
 
 
+def native_quantized_products() -> bool:
+    """Whether our quantized products run here (AVX-512, or AVX2 + FMA: `quant_kernels.cpp`'s
+    row products), so that a GGUF model's batched decode steps are native calls a CPU graph
+    records, with or without the rest of our kernels."""
+    from passes.manager import native_passes_built
+
+    return "quantized_linear" in native_passes_built()
+
+
 def completions(llm, prompts, params) -> list[tuple]:
     """Each request's (token ids, finish reason, text): what two engines must agree on."""
     outs = llm.generate(prompts, params, use_tqdm=False)

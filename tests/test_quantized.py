@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +30,9 @@ from models.layers.quantization import (
     unpack_6bit_values,
 )
 from models.loader import load_hf_config
+from passes.config import CPU_NATIVE_PASSES, PassConfig
 from passes.decompose_dequantize import DecomposeDequantizePass
+from passes.manager import native_passes_built
 from passes.ops import quantized
 from passes.quantized_linear import QuantizedLinearPass
 from tests.gguf_files import Q
@@ -197,7 +201,12 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     bound = sums * 1e-5 + 1e-6
     path = quantized.kernel_path()
     # (an upper bound for Q8_0's 3-5 rows; Q6_K's 6 rows and more take the exact strips)
-    int8_x = int8_x and quantized.int8_strips() and (fmt == "q8" or fmt == "q6_k" and rows < 6)
+    int8_x = int8_x and (
+        quantized.int8_strips()
+        and (fmt == "q8" or fmt == "q6_k" and rows < 6)
+        or fmt == "q8"
+        and rows <= quantized.int8_rows()  # AVX2's row products
+    )
     if (path == "int8" and fmt in ("q4", "q4_k", "q8")) or int8_x:  # else fp32 or bf16
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
         run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
@@ -241,7 +250,10 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
         values = quantized.dequantize_q8_ref(*fields, torch.float64)
     want = x.double() @ values.T + bias.double()
     bound = (x.double().abs() @ values.abs().T) * 1e-5 + want.abs() * 2**-8 + 1e-6
-    if fmt == "q8_int8_x" and quantized.int8_strips() and rows not in (3, 4, 5):
+    int8_rows = fmt == "q8_int8_x" and (
+        quantized.int8_strips() and rows not in (3, 4, 5) or rows <= quantized.int8_rows()
+    )
+    if int8_rows:
         approximated = slice(0, 32) if rows >= 6 else slice(0, n)  # strips, or every row
         exact = bool(((got - want).abs() <= bound).all(0)[approximated.stop :].all())
         run_max = x.double().abs().reshape(rows, k // 32, 32).amax(-1)
@@ -360,7 +372,8 @@ def test_q8_products_carry_non_finite_and_tiny_activations(bad):
 @pytest.mark.parametrize("k_quant", [False, True])
 def test_q8_dense_rows_keep_the_values_bits(k_quant):
     """Beyond `MAX_KERNEL_ROWS` (CPUs where the kernel has no bf16 path) a bf16 q8 product
-    is one bf16 GEMM over [x | x] and the split [hi | lo] copy: the values to 16 bits, so
+    is one bf16 GEMM over [x | x] and the split [hi | lo] copy (fp32 where the CPU has no
+    bf16 GEMM): the values to 16 bits, so
     the bf16 output is the exact product's rounding but where the exact sum lies within
     ~2^-16 of a rounding boundary. Rounding the values to bf16 instead misses ~43% of the
     outputs."""
@@ -377,6 +390,67 @@ def test_q8_dense_rows_keep_the_values_bits(k_quant):
     assert (got != exact).double().mean() < 0.02
     bound = exact.double().abs() * 2**-7 + (x.double().abs() @ w.abs().T) * 2**-15
     assert bool(((got.double() - want).abs() <= bound).all())
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86's vector paths")
+def test_the_quant_kernels_vectorize_with_avx2_and_fma():
+    """The products read the blocks with vectors on AVX2 + FMA CPUs (Zen 1-3, Haswell to
+    Ice Lake clients) as on AVX-512 ones, and the `quantized_linear` pass runs them there
+    even where the rest of our kernels (AVX-512) do not build; the portable loop, 20-40x
+    slower (benchmarks/ab_quant_raw.py), is left for CPUs with neither."""
+    flags = _cpu_flags()
+    vectorized = "avx512f" in flags or {"avx2", "fma"} <= flags
+    assert (quantized.kernel_path() != "portable") == vectorized
+    assert ("quantized_linear" in native_passes_built()) == vectorized
+
+
+def test_the_pass_switches_follow_the_kernels_that_build():
+    """Only the passes whose kernels build are on by default; `native_kernels=False` turns
+    every one of them off, the quantized products included."""
+    only_products = frozenset({"quantized_linear"})
+    on = PassConfig().resolved("cpu", only_products)
+    assert on["quantized_linear"]
+    assert not any(on[name] for name in CPU_NATIVE_PASSES - only_products)
+    assert PassConfig().resolved("cpu", CPU_NATIVE_PASSES)["native_linear"]
+    assert not PassConfig(native_kernels=False).resolved("cpu", only_products)["quantized_linear"]
+    assert not PassConfig().resolved("cpu", frozenset())["quantized_linear"]
+    assert PassConfig(quantized_linear=True).resolved("cpu", frozenset())["quantized_linear"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dense_products_multiply_in_fp32_without_a_bf16_gemm(bits):
+    """Beyond the row products (a prefill), bf16 activations on a CPU whose GEMM has no
+    bf16 path (AVX2: torch's generic dot loop, ~5x slower than MKL's fp32 GEMM) are
+    multiplied in fp32 against fp32 values: the bf16 output is then the exact product's
+    rounding but at near-ties, for q4 as for q8; with a bf16 GEMM (AVX-512) the q4 values
+    are rounded to bf16 first and q8's split in two (`test_q8_dense_rows_keep_the_values_bits`)."""
+    g = torch.Generator().manual_seed(bits)
+    rows, n, k = 80, 64, 256
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    if bits == 4:
+        fields = _q4_fields(g, n, k)
+        got = ops.q4_linear(x, *fields, bias)
+        w = quantized.dequantize_q4_ref(*fields, torch.float64)
+    else:
+        fields = _q8_fields(g, n, k, 32)
+        got = ops.q8_linear(x, *fields, bias)
+        w = quantized.dequantize_q8_ref(*fields, torch.float64)
+    want = x.double() @ w.T + bias.double()
+    assert got.dtype == torch.bfloat16
+    off = (got != want.to(torch.bfloat16)).double().mean()
+    if quantized.bf16_gemm_is_native():
+        assert off < 0.5  # bf16 inputs to the GEMM: most outputs still round alike
+    else:
+        assert quantized._dense_dtype(x, None) == torch.float32
+        assert off < 0.02
 
 
 @pytest.mark.parametrize("name", sorted(AT_LOAD))

@@ -52,6 +52,9 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # below 16, the CPU graphs' largest batch, whose replays take team calls only.
 MAX_KERNEL_ROWS = MappingProxyType({4: 32, 8: 128})
 BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
+# The fp32 path (AVX2 + FMA): q8's row products lose to MKL's fp32 GEMM on the dequantized
+# weight from 32-64 rows (1536x576: 0.68x at 64 rows, 0.57x at 128), q4's break even at 64.
+FP32_ROWS = MappingProxyType({4: 32, 8: 32})
 
 
 def expand_compact(field: torch.Tensor) -> torch.Tensor:
@@ -160,6 +163,7 @@ def _kernel() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = [ctypes.c_int64] * (count + extra), None
     lib.quant_kernels_path.argtypes = [ctypes.c_int64] * 3
     lib.quant_kernels_path.restype = ctypes.c_int64
+    lib.quant_kernels_int8_rows.restype = ctypes.c_int64
     for name, count in (("dequantize_q4_region", 9), ("dequantize_q8_region", 8)):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [ctypes.c_int64] * count, None
@@ -244,6 +248,16 @@ def int8_strips() -> bool:
 
 
 @functools.cache
+def int8_rows() -> int:
+    """Rows up to which `q8_linear(..., int8_x=True)` quantizes bf16 activations in Q8_0's
+    row products (1-2 with AVX512-BF16 and AVX512-VNNI, or with AVX2: there 1.3x the
+    exact product's speed on the default model's head, benchmarks/ab_quant_raw.py); 0
+    where they stay exact."""
+    lib = _kernel()
+    return 0 if lib is None else int(lib.quant_kernels_int8_rows())
+
+
+@functools.cache
 def _bf16_path(bits: int, k: int, group: int) -> bool:
     """Whether the kernel takes bf16 activations on its exact bf16 path for this shape."""
     lib = _kernel()
@@ -253,6 +267,8 @@ def _bf16_path(bits: int, k: int, group: int) -> bool:
 def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
     exact = x.dtype == torch.bfloat16 and _bf16_path(bits, x.shape[-1], group)
     limit = BF16_ROWS[bits] if exact else MAX_KERNEL_ROWS[bits]
+    if kernel_path() == "fp32":
+        limit = FP32_ROWS[bits]
     return limit is None or x.shape[0] <= limit
 
 
@@ -320,6 +336,31 @@ def q8_linear_ref(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     return _product_ref(x, dequantize_q8_ref(w, scales, dtype), bias, out_dtype)
 
 
+@functools.cache
+def bf16_gemm_is_native() -> bool:
+    """Whether torch's CPU GEMM multiplies bf16 natively here (oneDNN, AVX-512 and later).
+    With AVX2 alone it is a generic dot loop (`bf16_dot_with_fp32_arith`): a 512-token
+    prefill of the default model ran at 70-75 tok/s, where MKL's fp32 GEMM on fp32 values
+    gives it ~4x (benchmarks/bench_gguf.py, pp512)."""
+    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+
+
+def _dense_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a dense product beyond the kernel's rows dequantizes into and multiplies in."""
+    dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
+    if dtype == torch.bfloat16 and x.device.type == "cpu" and not bf16_gemm_is_native():
+        return torch.float32
+    return dtype
+
+
+def _dense_product(x, weight, bias, out_dtype):
+    """x @ weight^T (+ bias) in weight's dtype, the result in `out_dtype` (x's)."""
+    out_dtype = out_dtype or x.dtype
+    if weight.dtype != x.dtype:
+        x, bias = x.to(weight.dtype), None if bias is None else bias.to(weight.dtype)
+    return _product_ref(x, weight, bias, out_dtype)
+
+
 def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
     """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias). `int8_x`: with bf16 x, on
     CPUs with AVX512-BF16 and AVX512-VNNI, the row products (below the strips' 8 rows) may
@@ -328,8 +369,8 @@ def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q4_call((x, w, scales, mins, bias, out_dtype, int8_x), y)
     if call is None:  # many rows (a prefill): one dense copy, then the dense product
-        dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
-        return _product_ref(x, dequantize_q4(w, scales, mins, dtype), bias, out_dtype)
+        dtype = _dense_dtype(x, out_dtype)
+        return _dense_product(x, dequantize_q4(w, scales, mins, dtype), bias, out_dtype)
     call.run()
     return y
 
@@ -352,13 +393,14 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False):
 
 def q8_dense_product(x, w, scales, bias=None, out_dtype=None):
     """Beyond the kernel's rows: a dense GEMM on a dequantized copy; bf16 multiplies
-    [x | x] by the split [hi | lo] copy (Q8_0's values do not fit bf16: 19 bits)."""
-    dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
+    [x | x] by the split [hi | lo] copy (Q8_0's values do not fit bf16: 19 bits); fp32
+    where the CPU has no bf16 GEMM (`bf16_gemm_is_native`)."""
+    dtype = _dense_dtype(x, out_dtype)
     if dtype == torch.bfloat16 and x.dim() == 2:
         split = _dequantize_native(w, (scales,), dtype, split=True)
         if split is not None:
             return _product_ref(torch.cat([x, x], 1), split, bias, out_dtype)
-    return _product_ref(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
+    return _dense_product(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
 
 
 def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
