@@ -247,9 +247,9 @@ class ModelRunner:
         # Sizes the user lists are padded to whatever the batch (vLLM's capture sizes).
         self.cpu_graph_max_pad = CPU_GRAPH_MAX_PAD if cc.cpu_graph_sizes is None else None
         self.cpu_graphs: dict[int, cpu_graph.CpuGraph | None] = {}  # None: not capturable
-        # Graph sizes whose first replay is still to be checked against the same step run
-        # piece by piece (`_check_first_replay`).
-        self._unchecked: set[int] = set()
+        # Graph sizes whose first replay on new token ids is still to be checked against
+        # the same step run piece by piece (`_check_first_replay`): the capture's ids.
+        self._unchecked: dict[int, torch.Tensor] = {}
         self._capture_tries: dict[int, int] = {}
         self._pp_buffers: Any = None  # a later pipeline stage's receive buffers
         for layer in self.attention_layers.values():  # compiling runs attention before the cache
@@ -490,7 +490,7 @@ class ModelRunner:
             return expected
         logger.info("captured a CPU graph for %d tokens: %r", n, graph)
         self.cpu_graphs[n] = graph
-        self._unchecked.add(n)
+        self._unchecked[n] = self.input_ids[:n].clone()
         return logits
 
     def _check_first_replay(self, plan: StepPlan, n: int, logits: torch.Tensor) -> torch.Tensor:
@@ -498,11 +498,17 @@ class ModelRunner:
         rewrites the step's KV): fail closed. The capture's own replay check reads the
         buffers the capture just filled, so a kernel that ran but was not recorded (the
         hook of compilecore/wrapper_codegen.py bypassed, as another torch release might)
-        passed it; with new inputs its buffer's stale values show."""
+        passed it; with new inputs its buffer's stale values show. New token ids, not just
+        new positions: a greedy step that repeats the capture's token found the embedding
+        kernel's stale output right (tests/test_cpu_graph.py), so steps on the capture's ids
+        are checked too and the check waits for other ids."""
         replayed = logits.clone()
+        new_ids = not torch.equal(self.input_ids[:n], self._unchecked[n])
         want = self._execute(pad_decode_plan(plan, n), None)
-        self._unchecked.discard(n)
+        if new_ids:
+            del self._unchecked[n]
         if not torch.equal(replayed, want):
+            self._unchecked.pop(n, None)
             logger.warning(
                 "CPU graph for %d tokens: its first replay differs from the step run piece "
                 "by piece (a kernel that torch %s ran outside the recorded calls?); not used",

@@ -244,8 +244,10 @@ def test_a_hook_that_records_no_kernel_yields_no_graph_and_the_right_tokens(
     calls, and its replay read the capture's values left in the kernels' buffers and
     passed its check (greedy tokens then went wrong). Now the capture counts the
     Inductor kernels that ran against those recorded: no graph, one warning naming torch,
-    the right tokens. With the count blinded (`counted=False`), the graph's first replay,
-    checked against the step run piece by piece, refuses it the same way."""
+    the right tokens. With the count blinded (`counted=False`), the graph's first replay
+    on new token ids, checked against the step run piece by piece, refuses it the same way;
+    replays of the capture's own token (a request held to one token) read the embedding's
+    stale output as right and must not end the check (they did: wrong tokens after)."""
     from compilecore import wrapper_codegen
 
     if not counted:
@@ -260,6 +262,12 @@ def test_a_hook_that_records_no_kernel_yields_no_graph_and_the_right_tokens(
     llm = LLM(str(tiny_llama[0]), dtype="bfloat16", block_size=4,
               compilation_config={"cache_dir": str(tmp_path)})  # fmt: skip
     with caplog.at_level("WARNING", logger="compilecore"):
+        if not counted:
+            one = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                 allowed_token_ids=[PROMPT[0]])  # fmt: skip
+            assert llm.generate([PROMPT], one, use_tqdm=False)[0].outputs[0].token_ids == [
+                PROMPT[0]] * 4  # fmt: skip
+            assert llm.llm_engine.runner.cpu_graphs[1] is not None  # replayed, still checked
         got = _tokens(llm)
     assert llm.llm_engine.runner.cpu_graphs[1] is None
     assert f"torch {torch.__version__}" in caplog.text

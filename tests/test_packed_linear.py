@@ -107,6 +107,23 @@ def test_products_are_recorded_into_cpu_graphs(kernel, tmp_path):
         cpu_graph.capture(lambda: torch.ops.compilecore.packed_mm(xt, w), tmp_path)
 
 
+def test_products_with_a_bias_are_recorded_into_cpu_graphs(kernel, tmp_path):
+    """A bias (Qwen2's q/k/v) goes into the recorded call, oneDNN's included: on AMX CPUs
+    a batched Qwen2 step ran piece by piece while the shim took no bias."""
+    if kernel == "onednn" and onednn_shim.shim_call() is None:
+        pytest.skip("this torch exports no AOTInductor shim for oneDNN's linear")
+    w, bias = (torch.randn(40, 96) * 0.1).bfloat16(), torch.randn(40).bfloat16()
+    x = torch.randn(3, 96).bfloat16()
+    with torch.inference_mode():
+        out, graph = cpu_graph.capture(lambda: torch.ops.compilecore.packed_mm(x, w, bias),
+                                       tmp_path)  # fmt: skip
+    assert torch.equal(out, torch.ops.compilecore.packed_mm(x, w, bias))
+    x.copy_(torch.randn_like(x))
+    bias.copy_(torch.randn_like(bias))
+    assert torch.equal(graph.replay(), torch.ops.compilecore.packed_mm(x, w, bias))
+    assert not torch.equal(graph.replay(), torch.ops.compilecore.packed_mm(x, w))
+
+
 def test_a_failing_shim_call_fails_the_replay(tmp_path, monkeypatch):
     """A replay cannot raise from C: a failing shim call is counted, and the graph's check
     turns the count into an error after the replay (the next replay is clean)."""
@@ -119,7 +136,7 @@ def test_a_failing_shim_call_fails_the_replay(tmp_path, monkeypatch):
     fn, shim = call
     wrong_k = onednn_shim.Handle(torch.randn(40, 95).bfloat16())
     x_handle = onednn_shim.Handle(x)
-    fn(shim.data_ptr(), x_handle.address, wrong_k.address, out.data_ptr(), out.nbytes)
+    fn(shim.data_ptr(), x_handle.address, wrong_k.address, None, out.data_ptr(), out.nbytes)
     assert shim[3].item() == 1  # counted, not crashed
     with pytest.raises(RuntimeError, match="shim failed"):
         graph.replay()

@@ -5,6 +5,7 @@ at load against HF transformers on the same dequantized weights."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import os
@@ -409,6 +410,35 @@ def test_the_quant_kernels_vectorize_with_avx2_and_fma():
     vectorized = "avx512f" in flags or {"avx2", "fma"} <= flags
     assert (quantized.kernel_path() != "portable") == vectorized
     assert ("quantized_linear" in native_passes_built()) == vectorized
+
+
+@pytest.mark.skipif("avx512_vnni" not in _cpu_flags(), reason="needs AVX512-VNNI")
+def test_int8_activations_off_keeps_products_exact_without_avx512_bf16():
+    """On AVX512-VNNI CPUs without AVX512-BF16 (Ice Lake, Cascade Lake servers) groups of
+    32 took the int8 path whether or not the caller allowed int8 activations: the kernel
+    built as for such a CPU must keep a Q8_0 product exact (fp32) without flags bit 5 and
+    quantize x with it."""
+    from passes import native, prefetch
+
+    flags = native.FLAGS + ["-mno-avx512bf16", f"-DCC_PREFETCH={prefetch.weight_prefetch_bytes()}"]
+    source = native.op_source(Path(quantized.__file__).with_name("quant_kernels.cpp"))
+    lib = native.load_library(source, "quant_kernels_vnni", native.cache_root() / "tests", flags)
+    lib.quant_kernels_path.argtypes = [ctypes.c_int64] * 4
+    lib.q8_linear_region.argtypes = [ctypes.c_int64] * 11
+    assert lib.quant_kernels_vectorized() == 2  # the integer path, no bf16 one
+    assert [lib.quant_kernels_path(0, 64, 32, ok) for ok in (0, 1)] == [0, 2]
+    g = torch.Generator().manual_seed(5)
+    n, k = 48, 256
+    w, scales = _q8_fields(g, n, k, 32)
+    x = torch.randn(1, k, generator=g).bfloat16()
+    want = x.double() @ quantized.dequantize_q8_ref(w, scales, torch.float64).T
+    errors = []
+    for int8 in (0, 1):
+        y = torch.empty(1, n)
+        args = (x, 1 | 32 * int8, w, scales, 0, y, 1, n, k, 32, 1)
+        lib.q8_linear_region(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+        errors.append(((y.double() - want).abs().max() / want.abs().max()).item())
+    assert errors[0] < 1e-5 < 1e-3 < errors[1]  # exact fp32 sums, then int8 x's rounding
 
 
 def test_the_pass_switches_follow_the_kernels_that_build():

@@ -30,10 +30,10 @@ typedef void* H;
 typedef int32_t (*linear_fn)(H, H, H*, const char*, const double**, int64_t, const char**, H*);
 typedef int32_t (*data_ptr_fn)(H, void**);
 typedef int32_t (*delete_fn)(H);
-extern "C" void onednn_linear_into(int64_t* shim, H x, H w, void* y, int64_t nbytes) {
+extern "C" void onednn_linear_into(int64_t* shim, H x, H w, H b, void* y, int64_t nbytes) {
   H out = nullptr;
   void* data = nullptr;
-  if (((linear_fn)shim[0])(x, w, nullptr, "none", nullptr, 0, nullptr, &out) != 0) {
+  if (((linear_fn)shim[0])(x, w, b ? &b : nullptr, "none", nullptr, 0, nullptr, &out) != 0) {
     shim[3] += 1;
     return;
   }
@@ -79,7 +79,7 @@ def shim_call() -> tuple[ctypes._CFuncPtr, torch.Tensor] | None:
     except (OSError, AttributeError, native.KernelBuildError):
         return None
     fn = lib.onednn_linear_into
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64]
     fn.restype = None
     return fn, torch.tensor([*addresses, 0], dtype=torch.int64)
 
@@ -99,15 +99,19 @@ def failures() -> str | None:
     return "oneDNN's linear through the AOTInductor shim failed"
 
 
-def linear_call(x: torch.Tensor, packed: torch.Tensor, y: torch.Tensor) -> NativeCall | None:
-    """The call writing `x @ w.T` on oneDNN's reordered weight into y through the shim, or
-    None where the shim is missing. Made once here (y gets the product), so a call that
-    fails does so now rather than at a replay."""
+def linear_call(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
+) -> NativeCall | None:
+    """The call writing `x @ w.T (+ bias)` on oneDNN's reordered weight into y through the
+    shim (the bias inside oneDNN's product, as the op's own call adds it), or None where
+    the shim is missing. Made once here (y gets the product), so a call that fails does so
+    now rather than at a replay."""
     if (shim_fn := shim_call()) is None:
         return None
     fn, shim = shim_fn
-    handles = (Handle(x), Handle(packed))
-    args = (shim, handles[0].address, handles[1].address, y, y.numel() * y.element_size())
+    handles = tuple(Handle(t) for t in (x, packed) + (() if bias is None else (bias,)))
+    b = handles[2].address if bias is not None else 0
+    args = (shim, handles[0].address, handles[1].address, b, y, y.numel() * y.element_size())
     call = NativeCall(native_calls.function_address(fn), args, "compilecore.packed_mm", 0, fn,
                       keep=handles, check=failures)  # fmt: skip
     call.run()

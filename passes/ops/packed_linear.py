@@ -150,9 +150,7 @@ def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple:
         return ()
     if own:
         return _own_kernel_call(x, w, bias, out)
-    if bias is not None:
-        raise Unrecordable("compilecore.packed_mm with a bias through oneDNN (the shim has none)")
-    call = onednn_shim.linear_call(x, packed_weight(w), out)
+    call = onednn_shim.linear_call(x, packed_weight(w), bias, out)
     if call is None:
         raise Unrecordable("compilecore.packed_mm through oneDNN (no AOTInductor shim)")
     return call

@@ -1174,15 +1174,16 @@ inline void one_row_loop(int64_t row_bytes, int64_t n0, int64_t N, void* y, int6
 // Which path a call takes for bf16 activations: the exact bf16 path where AVX512-BF16
 // builds (q4: groups of 32-512 values, powers of two, so that 16 runs start on a group;
 // q8: groups of 32, 16 or the whole row), else for groups of 32 the integer one
-// (AVX512-VNNI; it cost Q8_0 1.5% perplexity: NOTES 45); otherwise fp32.
+// (AVX512-VNNI; it cost Q8_0 1.5% perplexity: NOTES 45) only where the caller allows int8
+// activations (`int8_ok`, flags bit 5: `PassConfig.int8_activations`); otherwise fp32.
 enum class Path { fp32, bf16, int8 };
 
-inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g) {
+inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g, bool int8_ok) {
   if (!bf || K % 64) return Path::fp32;
   const bool bf16_groups = q4 ? g >= 32 && g <= 512 && (g & (g - 1)) == 0
                               : g == 32 || g == 16 || g == K;
   if (CC_BF16_PATH && bf16_groups) return Path::bf16;
-  if (CC_INT8_PATH && g == 32) return Path::int8;
+  if (CC_INT8_PATH && g == 32 && int8_ok) return Path::int8;
   return Path::fp32;
 }
 
@@ -1195,7 +1196,7 @@ template <bool Q4, typename S, bool Compact = false>
 void product_team(const void* x, int64_t flags, const void* w, const S* scales, const S* mins,
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
   const int64_t bf = flags & 1;
-  Path path = choose(Q4, bf, K, g);
+  Path path = choose(Q4, bf, K, g, flags & 32);
   // Q6_K's packed rows (compact scales, K whole super-blocks): the bf16 row product reads
   // them in place, with x reordered and summed per 16 as q4's; other paths unpack a row
   // (or a strip's 16) to int8 first.
@@ -1634,8 +1635,8 @@ int64_t quant_kernels_int8_rows() { return CC_INT8_STRIPS || CC_AVX2_ROWS ? INT8
 
 // The path a call with bf16 activations takes (`choose`): 0 fp32, 1 bf16, 2 int8; the
 // Python side asks rather than repeating the rule.
-int64_t quant_kernels_path(int64_t q4, int64_t K, int64_t g) {
-  return int64_t(choose(q4 != 0, 1, K, g));
+int64_t quant_kernels_path(int64_t q4, int64_t K, int64_t g, int64_t int8_ok) {
+  return int64_t(choose(q4 != 0, 1, K, g, int8_ok != 0));
 }
 
 void q4_linear_team(const void* x, int64_t flags, const void* w, const void* scales,

@@ -161,7 +161,7 @@ def _kernel() -> ctypes.CDLL | None:
         for suffix, extra in (("team", 0), ("region", 1)):
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes, fn.restype = [ctypes.c_int64] * (count + extra), None
-    lib.quant_kernels_path.argtypes = [ctypes.c_int64] * 3
+    lib.quant_kernels_path.argtypes = [ctypes.c_int64] * 4
     lib.quant_kernels_path.restype = ctypes.c_int64
     lib.quant_kernels_int8_rows.restype = ctypes.c_int64
     for name, count in (("dequantize_q4_region", 9), ("dequantize_q8_region", 8)):
@@ -232,7 +232,8 @@ def dequantize_q8(w, scales, dtype):
 @functools.cache
 def kernel_path() -> str:
     """How the kernel takes bf16 activations here: "bf16" (exact: AVX512-BF16), "int8"
-    (quantized per run of 32: AVX512-VNNI), "fp32" (converted: AVX-512) or "portable"."""
+    (AVX512-VNNI: quantized per run of 32 where the call allows int8 activations, else
+    converted to fp32), "fp32" (converted: AVX-512, or AVX2 + FMA) or "portable"."""
     lib = _kernel()
     level = 0 if lib is None else int(lib.quant_kernels_vectorized())
     return ("portable", "fp32", "int8", "bf16")[level]
@@ -261,7 +262,7 @@ def int8_rows() -> int:
 def _bf16_path(bits: int, k: int, group: int) -> bool:
     """Whether the kernel takes bf16 activations on its exact bf16 path for this shape."""
     lib = _kernel()
-    return lib is not None and lib.quant_kernels_path(int(bits == 4), k, group) == 1
+    return lib is not None and lib.quant_kernels_path(int(bits == 4), k, group, 0) == 1
 
 
 def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
