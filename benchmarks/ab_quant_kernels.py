@@ -29,11 +29,22 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE = "passes/ops/quant_kernels.cpp"
 
 
-def build(text: str, name: str):
-    """The kernel library built from `text` (the common header pasted in), as `_kernel`
-    returns it."""
+def git_show(revision: str, path: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:{path}"],
+                          capture_output=True, text=True, check=True).stdout  # fmt: skip
+
+
+def revision_source(revision: str) -> tuple[str, object]:
+    """(quant_kernels.cpp's text at `revision`, a reader of the files it includes there)."""
+    return git_show(revision, SOURCE), lambda name: git_show(revision, f"passes/ops/{name}")
+
+
+def build(text: str, name: str, read=None):
+    """The kernel library built from `text` (its included files pasted in, read by
+    `read`: the working tree's by default), as `_kernel` returns it."""
     flags = native.FLAGS + [f"-DCC_PREFETCH={prefetch.weight_prefetch_bytes()}"]
-    lib = native.load_library(native.op_source(text), name, native.cache_root() / "ab", flags)
+    source = native.op_source(text, read)
+    lib = native.load_library(source, name, native.cache_root() / "ab", flags)
     quantized._kernel.cache_clear()
     real = quantized._kernel()  # the working tree's, with its argument types set
     for fn in ("q4_linear_team", "q4_linear_region", "q8_linear_team", "q8_linear_region",
@@ -53,9 +64,8 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--tokenizer", default=None, help="where the file's metadata has none")
     args = parser.parse_args(argv)
-    base = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
-    builds = {"base": build(base, "quant_ab_base"),
+    base, read = revision_source(args.base)
+    builds = {"base": build(base, "quant_ab_base", read),
               "tree": build((ROOT / SOURCE).read_text(), "quant_ab_tree")}  # fmt: skip
     original = quantized._kernel
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ab_quant_kernels import ROOT, SOURCE, build  # noqa: E402
+from ab_quant_kernels import ROOT, SOURCE, build, revision_source  # noqa: E402
 from common import machine  # noqa: E402
 
 from passes.huge_pages import huge_page_buffer  # noqa: E402
@@ -83,9 +82,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
                         "(32: Q8_0's strips may quantize activations)")  # fmt: skip
     parser.add_argument("--ms", type=float, default=50.0, help="time a round aims at")
     args = parser.parse_args(argv)
-    base = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"],
-                          capture_output=True, text=True, check=True).stdout  # fmt: skip
-    libs = {"base": build(base, "quant_raw_base"),
+    base, read = revision_source(args.base)
+    libs = {"base": build(base, "quant_raw_base", read),
             "tree": build((ROOT / SOURCE).read_text(), "quant_raw_tree")}  # fmt: skip
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ws = weights(args.format, shapes, args.group)

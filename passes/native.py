@@ -16,10 +16,11 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from passes import prefetch
@@ -162,12 +163,29 @@ def unrolled_sizes(*sizes: int) -> tuple[int, ...]:
 COMMON_HEADER = Path(__file__).parent / "ops" / "cc_common.h"
 
 
-def op_source(source: Path | str) -> str:
-    """`source`'s text (a file, or the text itself) with `#include "cc_common.h"` replaced
-    by that header's text: the build is keyed by the text it compiles, so editing the
-    header rebuilds every kernel."""
+# `#include "NAME"` of a file under passes/ops/ (`cc_common.h`, `quant/rows_bf16.h`).
+_OWN_INCLUDE = re.compile(r'#include "([\w./]+)"')
+
+
+def op_source(source: Path | str, read: Callable[[str], str] | None = None) -> str:
+    """`source`'s text (a file, or the text itself) with each `#include "NAME"` of a file
+    under passes/ops/ replaced by that file's text, recursively: the build is keyed by the
+    text it compiles, so editing any included file rebuilds every kernel that includes it.
+    `read(NAME)` gives an included file's text (default: the working tree's; an A/B
+    against a git revision reads that revision's)."""
+    folder = COMMON_HEADER.parent
+    if read is None:
+
+        def read(name: str) -> str:
+            return (folder / name).read_text()
+
+    def inline(match: re.Match) -> str:
+        if not (folder / match[1]).exists():
+            return match[0]  # a system header written with quotes: left to the compiler
+        return op_source(read(match[1]), read)
+
     text = source.read_text() if isinstance(source, Path) else source
-    return text.replace(f'#include "{COMMON_HEADER.name}"', COMMON_HEADER.read_text(), 1)
+    return _OWN_INCLUDE.sub(inline, text)
 
 
 def load_op_kernel(

@@ -4,6 +4,7 @@ be loaded on another, on x86 and Arm alike."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,32 @@ def test_the_shared_header_is_part_of_every_kernels_source(tmp_path, monkeypatch
     assert edited != text
     paths = [native.library_path("cc", t, "k", tmp_path, ["-O2"]) for t in (text, edited)]
     assert paths[0] != paths[1]
+
+
+def test_included_files_are_pasted_in_recursively(tmp_path, monkeypatch):
+    """quant_kernels.cpp includes its parts (`quant/rows_bf16.h`, ...), which may include
+    others: every one is pasted in, so an edit to any of them gives a new library; a quoted
+    include of a file that is not ours is left to the compiler; an A/B's reader gives
+    another revision's text for the same names."""
+    (tmp_path / "quant").mkdir()
+    (tmp_path / "quant" / "a.h").write_text('int a() { return 1; }\n#include "quant/b.h"\n')
+    (tmp_path / "quant" / "b.h").write_text("int b() { return 2; }\n")
+    monkeypatch.setattr(native, "COMMON_HEADER", tmp_path / "cc_common.h")
+    source = '#include "quant/a.h"\n#include "stdio.h"\nint k() { return a() + b(); }\n'
+    text = native.op_source(source)
+    assert text == ('int a() { return 1; }\nint b() { return 2; }\n\n\n'
+                    '#include "stdio.h"\nint k() { return a() + b(); }\n')  # fmt: skip
+    other = native.op_source(source, lambda name: f"// {name} at another revision\n")
+    assert other.startswith("// quant/a.h at another revision\n")
+    (tmp_path / "quant" / "b.h").write_text("int b() { return 3; }\n")
+    assert native.op_source(source) != text
+
+
+def test_the_quant_kernels_source_is_whole():
+    """Every part of quant_kernels.cpp is pasted in (no include of ours left), and each
+    part is included once."""
+    text = native.op_source(Path(native.__file__).parent / "ops" / "quant_kernels.cpp")
+    assert '#include "quant/' not in text and '#include "cc_common.h"' not in text
+    for part in ("hsum8", "row_product_q4_bf16", "strip_rows_int8", "dequantize_team"):
+        assert text.count(f" {part}(") >= 1
+    assert text.count("inline float f16_f32(") == 1

@@ -1,0 +1,71 @@
+// Part of quant_kernels.cpp, which includes it inside its anonymous namespace (the build
+// inlines the text: passes/native.py `op_source`); dense copies of the blocks, for the products of
+// many rows (a prefill).
+
+// One weight row dequantized into fp32: the reference's values exactly (scale * q is exact
+// in fp32, the min added with one rounding, as torch's mul then add).
+template <bool Q4, typename S>
+inline void dequantize_row(const void* wrow, const S* s, const S* mn, int64_t K, int64_t g,
+                           float* out) {
+  for (int64_t gi = 0, k0 = 0; k0 < K; ++gi, k0 += g) {
+    const float d = scale1(s[gi]), m = Q4 ? scale1(mn[gi]) : 0.f;
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(d);
+    if constexpr (Q4) {
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 table = _mm512_fmadd_ps(iota, scale, _mm512_set1_ps(m));
+      for (int64_t k = k0; k < k0 + g; k += 32) {
+        __m512 lo, hi;
+        q4_run(static_cast<const uint8_t*>(wrow) + k / 2, table, lo, hi);
+        _mm512_storeu_ps(out + k, lo);
+        _mm512_storeu_ps(out + k + 16, hi);
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + g; k += 16)
+        _mm512_storeu_ps(out + k, q8_16(static_cast<const int8_t*>(wrow) + k, scale));
+    }
+#else
+    for (int64_t k = k0; k < k0 + g; ++k) {
+      if constexpr (Q4) {
+        const uint8_t byte = static_cast<const uint8_t*>(wrow)[(k / 32) * 16 + (k % 16)];
+        out[k] = float((k % 32) < 16 ? byte & 15 : byte >> 4) * d + m;
+      } else {
+        out[k] = float(static_cast<const int8_t*>(wrow)[k]) * d;
+      }
+    }
+#endif
+  }
+}
+
+// Rows [N, K] of blocks into a dense weight, the calling thread's share of the rows: a
+// prefill's products (more rows than `product_team` reads blocks for) run on this copy;
+// torch's own dequantization of the reference took ~10x longer. `flags` bit 0: bf16 (else
+// fp32); bit 3 (with bit 0): each row [hi | lo] of 2K bf16, hi = bf16(v), lo = bf16(v - hi),
+// so that one bf16 GEMM over [x | x] sums x * v with 16 of v's bits (q8's have up to 19).
+template <bool Q4, typename S, bool Compact = false>
+void dequantize_team(const void* w, const S* scales, const S* mins, void* out, int64_t flags,
+                     int64_t N, int64_t K, int64_t g) {
+  const bool bf = flags & 1, split = bf && (flags & 8);
+  const bool six = !Q4 && Compact && (flags & 64);  // Q6_K's packed rows, unpacked first
+  const auto [begin, end] = share(N);
+  const int64_t row_bytes = Q4 ? K / 2 : six ? K / 4 * 3 : K, groups = K / g;
+  float* row = scratch(K + 2 * groups + K / 4);
+  float *scale_buf = row + K, *min_buf = scale_buf + groups;
+  int8_t* unpacked = reinterpret_cast<int8_t*>(min_buf + groups);
+  for (int64_t n = begin; n < end; ++n) {
+    const char* wrow = static_cast<const char*>(w) + n * row_bytes;
+    if (six) {
+      unpack_q6_row(reinterpret_cast<const uint8_t*>(wrow), K, unpacked);
+      wrow = reinterpret_cast<const char*>(unpacked);
+    }
+    float* dst = bf ? row : static_cast<float*>(out) + n * K;
+    const S* mn = Q4 ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf) : nullptr;
+    dequantize_row<Q4>(wrow, scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf), mn, K,
+                       g, dst);
+    if (!bf) continue;
+    bf16* y = static_cast<bf16*>(out) + n * K * (split ? 2 : 1);
+    for (int64_t k = 0; k < K; ++k) y[k] = to_bf16(row[k]);
+    if (split)  // v - hi is exact in fp32
+      for (int64_t k = 0; k < K; ++k) y[K + k] = to_bf16(row[k] - to_f32(y[k]));
+  }
+}

@@ -1,0 +1,157 @@
+// Part of quant_kernels.cpp, which includes it inside its anonymous namespace (the build
+// inlines the text: passes/native.py `op_source`); the formats and what every path shares:
+// fp16 and compact scales, x's rows, the row-count constants, Q6_K's 6-bit rows.
+
+typedef uint16_t f16;
+
+inline float f16_f32(f16 h) {  // IEEE half -> float, subnormals included
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));
+  if (exp != 0) return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
+  const float sub = float(man) * (1.f / 16777216.f);  // man * 2^-24
+  return sign ? -sub : sub;
+}
+
+// Scales and mins are fp16 (GGUF's Q4_0, Q4_1, Q8_0; our int4 and int8) or fp32 (the
+// K-quants': a super-block scale times a sub-block's 6-bit one, exact in fp32, not in fp16).
+#if defined(__F16C__)
+inline float scale1(f16 h) { return _cvtsh_ss(h); }
+#else
+inline float scale1(f16 h) { return f16_f32(h); }
+#endif
+inline float scale1(float f) { return f; }
+#if defined(__AVX512F__)
+inline __m512 scales16(const f16* s, __mmask16 live) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, s));
+}
+inline __m512 scales16(const float* s, __mmask16 live) { return _mm512_maskz_loadu_ps(live, s); }
+#endif
+
+// Scales (or mins) as the K-quants store them (compact): per row `groups` sub-block
+// scales as bytes, then one fp32 super-block scale per super-block. Q4_K (q4): 6-bit
+// unsigned bytes, 8 groups of 32 a super-block; Q6_K (q8): int8 bytes, 16 groups of 16.
+// super x sub is exact in fp32, the values fp32 fields would hold, at ~0.09 (Q4_K, scales
+// and mins) or ~0.08 (Q6_K) bytes a value where fp32 fields take 0.25.
+// `CompactPtr` points into one row and stands for its decoded values where a pointer to
+// them would (`p + i`, `p[i]`, `scales16`): the bf16 row products read rows in place
+// (decoding each row into a buffer first made Q4_K's products 1.04-1.11x slower, NOTES
+// 54); `CompactScales` decodes rows into a buffer for the other paths and the strips.
+template <bool Q4>
+struct CompactPtr {
+  static constexpr int64_t PER_SUPER = Q4 ? 8 : 16;  // groups a super-block
+  const uint8_t* sub;    // the row's sub-block bytes
+  const uint8_t* super;  // then its fp32 super-block scales
+  int64_t at;            // the group this points at
+  // A row's bytes: its sub-block bytes, then an fp32 scale a super-block.
+  static int64_t row_bytes(int64_t groups) { return groups + groups / PER_SUPER * 4; }
+  CompactPtr operator+(int64_t i) const { return {sub, super, at + i}; }
+  float operator[](int64_t i) const {
+    float d;
+    std::memcpy(&d, super + (at + i) / PER_SUPER * 4, sizeof d);
+    return d * (Q4 ? float(sub[at + i]) : float(int8_t(sub[at + i])));
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define CC_COMPACT16 1
+// 16 groups from a multiple of 16 (every caller's step): two super-blocks of Q4_K's, one
+// of Q6_K's.
+template <bool Q4>
+inline __m512 scales16(CompactPtr<Q4> p, __mmask16 live) {
+  const __m128i bytes = _mm_maskz_loadu_epi8(live, p.sub + p.at);
+  const __m512 sub =
+      _mm512_cvtepi32_ps(Q4 ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes));
+  const float* d = reinterpret_cast<const float*>(p.super) + p.at / CompactPtr<Q4>::PER_SUPER;
+  if constexpr (Q4) {
+    const __m512 two = _mm512_maskz_loadu_ps(live >> 8 ? 0x3 : 0x1, d);
+    const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_mul_ps(sub, _mm512_permutexvar_ps(pick, two));
+  } else {
+    float d0;
+    std::memcpy(&d0, d, sizeof d0);
+    return _mm512_mul_ps(sub, _mm512_set1_ps(d0));
+  }
+}
+#else
+#define CC_COMPACT16 0
+#endif
+
+// Rows [n, n + count) decoded into buf as fp32 [count, groups].
+template <bool Q4>
+struct CompactScales {
+  const uint8_t* base;
+  int64_t groups;
+  const float* rows(int64_t n, int64_t count, float* buf) const {
+    const int64_t stride = CompactPtr<Q4>::row_bytes(groups);
+    for (int64_t r = 0; r < count; ++r) {
+      const uint8_t* row = base + (n + r) * stride;
+      const CompactPtr<Q4> p{row, row + groups, 0};
+      float* out = buf + r * groups;
+      int64_t gi = 0;
+#if CC_COMPACT16
+      for (; gi + 16 <= groups; gi += 16) _mm512_storeu_ps(out + gi, scales16(p + gi, 0xffff));
+#endif
+      for (; gi < groups; ++gi) out[gi] = p[gi];
+    }
+    return buf;
+  }
+};
+
+// Rows [n, n + count) of a call's scales (or mins): a pointer into stored ones, or compact
+// ones (S = float, `base` their address) decoded into buf.
+template <bool Q4, bool Compact, typename S>
+inline const S* scale_rows(const S* base, int64_t groups, int64_t n, int64_t count,
+                           float* buf) {
+  if constexpr (Compact)
+    return CompactScales<Q4>{reinterpret_cast<const uint8_t*>(base), groups}.rows(n, count,
+                                                                                  buf);
+  else
+    return base + n * groups;
+}
+
+inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
+  if (!bf) {
+    std::memcpy(out, x, n * sizeof(float));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = to_f32(static_cast<const bf16*>(x)[i]);
+}
+
+// Up to 4 rows of x at a time against one weight row: MB accumulators of 16 lanes.
+constexpr int MB_MAX = 4;
+// The bf16 paths take 16 weight rows at a time (strips, below) from TILED_ROWS_* rows of x.
+constexpr int TILE_N = 16;
+// Rows of x from which the strips beat the row product (raw A/B, NOTES 49): q8 1.26x at
+// 6 rows, 0.90x at 4; q4 0.93x at 6, 1.04x at 8.
+constexpr int64_t TILED_ROWS_Q8 = 6, TILED_ROWS_Q4 = 8;
+// Rows of x up to which Q8_0's row products may take int8 activations (`int8_x`): raw
+// A/B against the exact ones (NOTES 55), 1.7B shapes 1.01x / 0.98x / 0.95x / 0.82x /
+// 0.91x at 1-5 rows, 135M shapes 1.16x / 1.14x at 1-2, 0.96x at 4.
+constexpr int64_t INT8_ROWS_Q8 = 2;
+// log2 of q4's runs a group (bf16 path: 1, 2, 4 ... 16).
+inline int runs_shift(int64_t g) {
+  int shift = 0;
+  while ((32 << shift) < g) ++shift;
+  return shift;
+}
+
+// Q6_K's 6-bit rows (passes/ops/quantized.py `pack_q6` writes them): per chunk of 128
+// values, 64 bytes of low nibbles in q4's order (nibble byte b = 16r + j: run r's value j
+// low, j + 16 high), then 32 bytes of the values' top two bits, top byte b % 32 holding
+// nibble byte b's low value's in bits 0-1 (b < 32) or 2-3 (b >= 32) and its high value's
+// in bits 4-5 or 6-7. A value is u - 32 (Q6_K's own offset). The row products read chunks
+// in place (`row_product_q6_bf16`, `row_product_q6_int8`); the other paths read rows
+// unpacked to int8 by this.
+inline void unpack_q6_row(const uint8_t* w, int64_t K, int8_t* out) {
+  for (int64_t c = 0; c < K / 128; ++c) {
+    const uint8_t *nib = w + c * 96, *top = nib + 64;
+    int8_t* o = out + c * 128;
+    for (int b = 0; b < 64; ++b) {
+      const int e = 2 * (b / 32), at = b / 16 * 32 + b % 16;
+      o[at] = int8_t(((nib[b] & 15) | ((top[b % 32] >> e & 3) << 4)) - 32);
+      o[at + 16] = int8_t(((nib[b] >> 4) | ((top[b % 32] >> (4 + e) & 3) << 4)) - 32);
+    }
+  }
+}
+
+constexpr int STRIP_MB = 8;  // rows of x a strip takes at a time (12: no faster, NOTES 49)

@@ -1,0 +1,221 @@
+// Part of quant_kernels.cpp, which includes it inside its anonymous namespace (the build
+// inlines the text: passes/native.py `op_source`); int8 activations where AVX512-BF16 and VNNI
+// both build: Q8_0's strips, the K-quants' row products; defines CC_INT8_STRIPS.
+
+#if CC_BF16_PATH && defined(__AVX512VNNI__)
+// Q8_0 strips with int8 activations (many rows: compute-bound). x quantized per run of
+// 32 (scale = max |x| / 127, as llama.cpp quantizes activations for its Q8_0 products),
+// then offset to unsigned (+128) for `vpdpbusd`, which adds 4 products of u8 x s8 into
+// each of 16 int32 lanes: 64 products an instruction where `vdpbf16ps` does 32. The strip
+// holds the weights' bytes as quads of k across its 16 rows ([K/4][16] int32), and per run
+// -128 * each row's sum of the run's weights, which takes the offset off exactly:
+//   sum_j (xq_j + 128) w_j - 128 sum_j w_j = sum_j xq_j w_j   (int32, exact)
+// then one fp32 multiply by the weight's and the activation's scales a run.
+struct Strip8 {
+  __m512i* wq;     // [K/4][16] quads of int8
+  __m512i* minus;  // [K/32][16] int32: -128 * the run's weight sum
+  float* ds;       // [K/32][16] the weights' scales
+};
+
+template <typename S>
+inline void pack_strip_int8(const int8_t* w, const S* s, int64_t K, int64_t groups, Strip8 st) {
+  for (int64_t k = 0; k < K; k += 64) {
+    __m512i r[16];
+    for (int n = 0; n < TILE_N; ++n) r[n] = _mm512_loadu_si512(w + n * K + k);
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(st.wq + k / 4 + j, r[j]);
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t run = 0; run < K / 32; ++run) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int q = 0; q < 8; ++q)
+      sum = _mm512_dpbusd_epi32(sum, ones, _mm512_load_si512(st.wq + run * 8 + q));
+    _mm512_store_si512(st.minus + run, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                        _mm512_slli_epi32(sum, 7)));
+    for (int n = 0; n < TILE_N; ++n) st.ds[run * TILE_N + n] = scale1(s[n * groups + run]);
+  }
+}
+
+// One bf16 row of x as unsigned bytes (xq + 128) and a scale a run of 32.
+inline void quantize_row_u8(const bf16* x, int64_t K, uint8_t* q, float* scale) {
+  for (int64_t run = 0; run < K / 32; ++run) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h)
+      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x + run * 32 + h * 16))), 16));
+    scale[run] = quantize_run(v[0], v[1], _mm_set1_epi8(char(0x80)), q + run * 32);
+  }
+}
+
+// q4 with int8 activations (the K-quants' products where `int8_x` allows it, as
+// llama.cpp multiplies Q4_K by Q8_K): x quantized per run of 32 as above, laid out per
+// chunk of 4 runs as the nibbles unpack, the runs' first 16 values (low nibbles), then
+// their last 16 (high); a last pair of runs (K % 128 == 64) padded with zeros to a chunk.
+// `vpdpbusd` multiplies the nibbles as they are (unsigned bytes) by x's: two instructions
+// and two masks a chunk where the exact path widens four vectors to bf16 (1.66x from
+// cache, 1.45x from memory: NOTES 56).
+struct Int8Chunks {
+  int8_t* q;     // [K rounded up to 128]
+  float* scale;  // [K/32]: the run's activation scale
+  float* sum;    // [K/32]: the run's sum of x (fp32, for the mins); Q6_K's: [K/16], per 16
+};
+
+inline int64_t chunked(int64_t K) { return (K + 127) / 128 * 128; }
+
+inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of_16) {
+  std::memset(r.q + K / 128 * 128, 0, chunked(K) - K / 128 * 128);
+  for (int64_t run = 0; run < K / 32; ++run) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h)
+      v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x + run * 32 + h * 16))), 16));
+    alignas(32) int8_t q[32];
+    r.scale[run] = quantize_run(v[0], v[1], _mm_setzero_si128(), q);
+    if (sums_of_16) {
+      r.sum[2 * run] = _mm512_reduce_add_ps(v[0]);
+      r.sum[2 * run + 1] = _mm512_reduce_add_ps(v[1]);
+    } else {
+      r.sum[run] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    }
+    int8_t* chunk = r.q + run / 4 * 128 + run % 4 * 16;
+    std::memcpy(chunk, q, 16);
+    std::memcpy(chunk + 64, q + 16, 16);
+  }
+}
+
+template <int MB, typename SP>
+inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t* w, SP s,
+                                SP mn, int shift, float* out) {
+  __m512 acc[MB_MAX], mins[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t runs = K / 32;
+  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
+    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
+    const __mmask16 live = __mmask16((1u << n) - 1);
+    const __m512 d = run_scales(s, r0, n, shift), m_run = run_scales(mn, r0, n, shift);
+    __m512 comb[MB_MAX];  // d x the run's activation scale (0 past the row's runs)
+    for (int m = 0; m < MB; ++m) {
+      comb[m] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, rows[m].scale + r0));
+      mins[m] = _mm512_fmadd_ps(m_run, _mm512_maskz_loadu_ps(live, rows[m].sum + r0), mins[m]);
+    }
+    for (int64_t p = 0; p < n; p += 4) {  // lanes 4i .. 4i + 3: run p + i
+      const int64_t k = (r0 + p) * 32;
+      prefetch_weights(w + k / 2);
+      const __mmask64 bytes = n - p >= 4 ? ~0ull : (1ull << ((n - p) * 16)) - 1;
+      const __m512i v = _mm512_maskz_loadu_epi8(bytes, w + k / 2);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(int(p)), quarter);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xq = rows[m].q + k;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xq + 64));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(at, comb[m]),
+                                 acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
+}
+
+// Q6_K's packed values on int8 activations (x as for q4's: `Int8Chunks`, plus its sums
+// per 16 in `sum`): each u (0-63) as an unsigned byte beside x's, its nibble or'ed with its
+// top bits shifted by half (9 ops a chunk where the bf16 path takes 14 to widen), and
+//   sum_j d q_j x_j ~ d dx sum_j u_j xq_j - 32 d sum_j x_j
+// per group of 16 (the 32 through x's exact sums). A chunk's low nibbles are its runs'
+// first 16 values (even groups), its high ones their last 16 (odd groups).
+template <int MB>
+inline void row_product_q6_int8(const Int8Chunks* rows, int64_t K, const uint8_t* w,
+                                CompactPtr<false> s, float* out) {
+  __m512 acc[MB_MAX], odd[MB_MAX], offset[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = odd[m] = offset[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i shift_lo = by_half(4, 2), shift_hi = by_half(0, 2);
+  for (int64_t g0 = 0; g0 < K / 16; g0 += 16) {  // a super-block: 16 groups, 8 runs, 2 chunks
+    const __m512 d = scales16(s + g0, 0xffff);
+    const __m512 d_even = _mm512_permutexvar_ps(evens, d);  // lanes 0-7: run r's groups 2r
+    const __m512 d_odd =
+        _mm512_permutexvar_ps(_mm512_add_epi32(evens, _mm512_set1_epi32(1)), d);
+    __m512 even_x[MB_MAX], odd_x[MB_MAX];  // x d for run r, lanes 0-7
+    for (int m = 0; m < MB; ++m) {
+      const __m512 dx = _mm512_maskz_loadu_ps(0xff, rows[m].scale + g0 / 2);
+      even_x[m] = _mm512_mul_ps(d_even, dx);
+      odd_x[m] = _mm512_mul_ps(d_odd, dx);
+      offset[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(-32.f)),
+                                  _mm512_loadu_ps(rows[m].sum + g0), offset[m]);
+    }
+    for (int c = 0; c < 2; ++c) {
+      const int64_t k = g0 * 16 + c * 128;
+      const uint8_t* chunk = w + k / 128 * 96;
+      prefetch_weights(chunk);
+      prefetch_weights(chunk + 64);
+      const __m512i v = _mm512_loadu_si512(chunk), h = top_bits(chunk);
+      const __m512i u_lo = _mm512_ternarylogic_epi32(
+          v, low, _mm512_and_si512(_mm512_sllv_epi16(h, shift_lo), top), 0xea);
+      const __m512i u_hi = _mm512_ternarylogic_epi32(
+          _mm512_srli_epi16(v, 4), low, _mm512_and_si512(_mm512_srlv_epi16(h, shift_hi), top),
+          0xea);
+      const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(4 * c), quarter);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xq = rows[m].q + k;
+        const __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_lo,
+                                               _mm512_loadu_si512(xq));
+        const __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u_hi,
+                                               _mm512_loadu_si512(xq + 64));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_permutexvar_ps(at, even_x[m]),
+                                 acc[m]);
+        odd[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_permutexvar_ps(at, odd_x[m]),
+                                 odd[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m], odd[m]), offset[m]));
+}
+
+// out[m][0..15] = x[m] . the strip's rows for MB quantized rows of x.
+template <int MB>
+inline void strip_rows_int8(const uint8_t* xq, const float* sx, int64_t K, Strip8 st,
+                            float* out) {
+  __m512 acc[STRIP_MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t runs = K / 32;
+  for (int64_t run = 0; run < runs; ++run) {
+    __m512i t[STRIP_MB];
+    const __m512i start = _mm512_load_si512(st.minus + run);
+    for (int m = 0; m < MB; ++m) t[m] = start;
+    for (int q = 0; q < 8; ++q) {
+      const __m512i w = _mm512_load_si512(st.wq + run * 8 + q);
+      for (int m = 0; m < MB; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * K + run * 32 + q * 4, 4);
+        t[m] = _mm512_dpbusd_epi32(t[m], _mm512_set1_epi32(quad), w);
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(st.ds + run * TILE_N);
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]),
+                               _mm512_mul_ps(d, _mm512_set1_ps(sx[m * runs + run])), acc[m]);
+  }
+  for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + m * TILE_N, acc[m]);
+}
+
+inline void strip_rows_int8_mb(int64_t mb, const uint8_t* xq, const float* sx, int64_t K,
+                               Strip8 st, float* out) {
+  switch (mb) {
+    case 8: return strip_rows_int8<8>(xq, sx, K, st, out);
+    case 7: return strip_rows_int8<7>(xq, sx, K, st, out);
+    case 6: return strip_rows_int8<6>(xq, sx, K, st, out);
+    case 5: return strip_rows_int8<5>(xq, sx, K, st, out);
+    case 4: return strip_rows_int8<4>(xq, sx, K, st, out);
+    case 3: return strip_rows_int8<3>(xq, sx, K, st, out);
+    case 2: return strip_rows_int8<2>(xq, sx, K, st, out);
+    default: return strip_rows_int8<1>(xq, sx, K, st, out);
+  }
+}
+#define CC_INT8_STRIPS 1  // AVX512-BF16 CPUs: Zen 4, Sapphire Rapids and later
+#endif
