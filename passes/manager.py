@@ -86,7 +86,7 @@ def build_passes(
         from passes.quantized_linear import QuantizedLinearPass
 
         int8_x = (config or PassConfig()).int8_x(context.device_type)
-        passes.append(QuantizedLinearPass(int8_x=int8_x))
+        passes.append(QuantizedLinearPass(int8_x, invariant=switches["batch_invariant"]))
     if switches["decompose_dequantize"]:
         from passes.decompose_dequantize import DecomposeDequantizePass
 

@@ -39,7 +39,7 @@ from passes.ops.quantized import dequantized_dtype, q4_int8_x
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _patterns(dtype: torch.dtype, int8_x: bool) -> list[tuple]:
+def _patterns(dtype: torch.dtype, int8_x: bool, invariant: bool) -> list[tuple]:
     ops = torch.ops.compilecore
 
     def mm_q4(x, w, s, m):
@@ -56,16 +56,16 @@ def _patterns(dtype: torch.dtype, int8_x: bool) -> list[tuple]:
 
     # q4: `q4_int8_x` decides per match (the replacement is traced on its own inputs)
     def q4(x, w, s, m):
-        return ops.q4_linear.default(x, w, s, m, None, None, q4_int8_x(s, int8_x))
+        return ops.q4_linear.default(x, w, s, m, None, None, q4_int8_x(s, int8_x), invariant)
 
     def q4_bias(b, x, w, s, m):
-        return ops.q4_linear.default(x, w, s, m, b, None, q4_int8_x(s, int8_x))
+        return ops.q4_linear.default(x, w, s, m, b, None, q4_int8_x(s, int8_x), invariant)
 
     def q8(x, w, s):
-        return ops.q8_linear.default(x, w, s, None, None, int8_x)
+        return ops.q8_linear.default(x, w, s, None, None, int8_x, invariant)
 
     def q8_bias(b, x, w, s):
-        return ops.q8_linear.default(x, w, s, b, None, int8_x)
+        return ops.q8_linear.default(x, w, s, b, None, int8_x, invariant)
 
     n, k = 8, 64
     x, b = torch.empty(2, k, dtype=dtype), torch.empty(n, dtype=dtype)
@@ -92,22 +92,24 @@ def _on_device(match, dtype: torch.dtype) -> bool:
 class QuantizedLinearPass(PatternPass):
     """`int8_x`: the q8 products may quantize activations as llama.cpp does, where the
     exact products are compute-bound (`compilecore.q8_linear`'s argument;
-    PassConfig.int8_activations)."""
+    PassConfig.int8_activations). `invariant` (batch-invariant mode): every product reads
+    the blocks with the row products at any row count, so that a row's bits do not depend
+    on the batch (tests/test_batch_invariant.py); no int8 activations then."""
 
     name = "quantized_linear"
     depends_on = ("passes.ops.quantized",)
 
-    def __init__(self, int8_x: bool = False):
-        self.int8_x = int8_x
+    def __init__(self, int8_x: bool = False, invariant: bool = False):
+        self.int8_x, self.invariant = int8_x and not invariant, invariant
         super().__init__()
 
     def config(self) -> dict:
-        return super().config() | {"int8_x": self.int8_x}
+        return super().config() | {"int8_x": self.int8_x, "invariant": self.invariant}
 
     def register(self) -> None:
         for dtype in DTYPES:
             check = functools.partial(_on_device, dtype=dtype)
-            for search, replace, example in _patterns(dtype, self.int8_x):
+            for search, replace, example in _patterns(dtype, self.int8_x, self.invariant):
                 register_replacement(
                     search, replace, example, trace_pattern, self.patterns, extra_check=check
                 )

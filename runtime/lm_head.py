@@ -96,21 +96,35 @@ def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def invariant_quantized_head(x, fmt, fields, bias):
-    """Batch-invariant mode's quantized head: the reference dequantization, then the one
-    product kernel for every row count (passes/ops/invariant_mm.py)."""
+    """Batch-invariant mode's quantized head where our quantized kernels do not run: the
+    reference dequantization, then the one product kernel for every row count
+    (passes/ops/invariant_mm.py)."""
     logits = invariant_mm(x.float(), reference_values(fmt, fields).t())
     return logits if bias is None else logits + bias
+
+
+def invariant_blocks_head(x, fmt, fields, bias):
+    """Batch-invariant mode's quantized head where the model's products read the blocks:
+    the same row products at every row count (the `invariant` argument)."""
+    return fmt.product(x, fields, bias, torch.float32, False, True)
 
 
 def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> None:
     """Give every `LogitsProcessor` of `model` this engine's LM head kernels."""
     cc = engine_config.compilation_config
     if cc.batch_invariant:  # one kernel for every row count
+        blocks = (
+            engine_config.device.type == "cpu"
+            and cc.mode != "none"
+            and cc.passes.resolved("cpu", native_passes_built())["quantized_linear"]
+        )
         for module in model.modules():
             if isinstance(module, LogitsProcessor):
                 module.small_batch_gemv, module.linear = None, invariant_linear
                 module.int8_activations = False
-                module.quantized_product = invariant_quantized_head
+                module.quantized_product = (
+                    invariant_blocks_head if blocks else invariant_quantized_head
+                )
         return
     small, batched = small_batch_lm_head(engine_config), batched_lm_head(engine_config)
     # As the quantized_linear pass gives the model's q8 products (eager stays exact: the

@@ -103,27 +103,76 @@ def kv_budget_after_profiling(
 
 
 def check_invariant_products(model: nn.Module, engine_config: EngineConfig) -> None:
-    """Batch-invariant mode refuses to start unless every product shape of `model` (its
-    linear layers and LM head, in the model's dtype, and fp32 where weights are quantized:
-    their products run on dequantized fp32) gives a row the same bits at every row count
-    (passes/ops/invariant_mm.py `check_rows`)."""
+    """Batch-invariant mode refuses to start unless every product of `model` gives a row
+    the same bits at every row count: each shape `invariant_mm` runs (its linear layers
+    and LM head in the model's dtype, and in fp32 where quantized weights are dequantized
+    for it; passes/ops/invariant_mm.py `check_rows`), and each quantized product that reads
+    the blocks (`check_invariant_blocks`)."""
     from models.layers.linear import LinearBase
+    from models.layers.quantization import formats_held
     from models.layers.vocab_embedding import ParallelLMHead
     from passes.ops.invariant_mm import check_rows
 
-    shapes = set()
+    blocks = reads_blocks(engine_config)
+    shapes, dequantized = set(), False
     for module in model.modules():
+        if not isinstance(module, LinearBase | ParallelLMHead):
+            continue
+        if formats_held(module):
+            if blocks:
+                continue  # its products read the blocks
+            dequantized = True
         if isinstance(module, LinearBase):  # this rank's slice of it
             k = getattr(module, "input_size_per_partition", module.input_size)
             shapes.add((k, getattr(module, "output_size_per_partition", module.output_size)))
-        elif isinstance(module, ParallelLMHead):
+        else:
             shapes.add((module.embedding_dim, module.num_embeddings_per_partition))
-    dtypes = {engine_config.model_config.dtype}
-    if engine_config.model_config.quant_config is not None:
-        dtypes.add(torch.float32)
+    dtypes = {engine_config.model_config.dtype} | ({torch.float32} if dequantized else set())
     for k, n in sorted(shapes):
         for dtype in dtypes:
             check_rows(k, n, dtype, engine_config.device)
+    if blocks:
+        check_invariant_blocks(model, engine_config)
+
+
+def reads_blocks(engine_config: EngineConfig) -> bool:
+    """Whether this engine's quantized products read the blocks (our kernels, on CPU)."""
+    from passes.manager import native_passes_built
+
+    cc = engine_config.compilation_config
+    return (
+        engine_config.device.type == "cpu"
+        and cc.mode != "none"
+        and cc.passes.resolved("cpu", native_passes_built())["quantized_linear"]
+    )
+
+
+def check_invariant_blocks(model: nn.Module, engine_config: EngineConfig) -> None:
+    """Where the quantized products read the blocks in batch-invariant mode (the
+    `invariant` argument: the row products at every row count), each format and shape of
+    `model`, on its own weights, must give the first m rows the bits they get among 48."""
+    from models.layers.quantization import formats_held, quant_fields
+    from passes.ops.invariant_mm import CHECKED_ROWS, NotBatchInvariant
+
+    seen = set()
+    g = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        for fmt, suffix in formats_held(module):
+            fields = quant_fields(module, fmt, suffix)
+            key = (fmt.bits, *((f.shape, f.dtype) for f in fields))
+            if key in seen:
+                continue
+            seen.add(key)
+            k = fields[0].shape[-1] * 8 // fmt.bits if fields[0].dtype != torch.int8 else (
+                fields[0].shape[-1])  # fmt: skip
+            x = torch.randn(48, k, generator=g).to(engine_config.model_config.dtype)
+            full = fmt.product(x, fields, invariant=True)
+            for m in CHECKED_ROWS:
+                if not torch.equal(fmt.product(x[:m], fields, invariant=True), full[:m]):
+                    raise NotBatchInvariant(
+                        f"batch_invariant: {m} rows of a q{fmt.bits} product of {key[1:]} "
+                        "read from the blocks get other bits than among 48 rows"
+                    )
 
 
 class Worker:

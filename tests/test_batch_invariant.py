@@ -154,7 +154,7 @@ def test_the_mode_is_set_by_vllms_variable_and_refuses_what_it_cannot_keep(monke
     monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     assert CompilationConfig(batch_invariant=True).passes.resolved("cpu") | {
         "batch_invariant": True, "native_linear": False, "gemv_to_reduction": False,
-        "packed_linear": False, "quantized_linear": False,
+        "packed_linear": False, "quantized_linear": True,
     } == CompilationConfig(batch_invariant=True).passes.resolved("cpu")  # fmt: skip
 
 
@@ -287,3 +287,77 @@ def test_short_query_rows_attend_as_the_decodes_they_stand_for(dtype, monkeypatc
     verified, decoded = rows_and_decodes()
     if torch.equal(verified, decoded):
         pytest.skip("the chunk path gives these rows the decodes' bits here")
+
+
+@pytest.fixture(scope="module")
+def invariant_gguf(tiny_gguf, tiny_llama, tmp_path_factory):
+    """A GGUF model (Q4_1, Q4_0 and Q8_0 layers) in batch-invariant mode, and each
+    request's result alone."""
+    from runtime import LLM
+
+    llm = LLM(str(tiny_gguf[0]), tokenizer=str(tiny_llama[0]), max_model_len=128,
+              max_num_batched_tokens=40, max_num_seqs=8,
+              compilation_config={"batch_invariant": True,
+                                  "cache_dir": str(tmp_path_factory.mktemp("bq"))})  # fmt: skip
+    alone = {}
+    for i, prompt in enumerate(_prompts()):
+        for kind in range(3):
+            alone[i, kind] = _result(llm.generate([prompt], _params(kind), use_tqdm=False)[0])
+    return llm, alone
+
+
+def test_quantized_models_read_the_blocks_and_keep_each_requests_bits(invariant_gguf):
+    """Where our quantized products run, the mode keeps them (the row products at every
+    row count: 0.26x the default's batch-1 speed when the weights were dequantized whole
+    every step) and every request's tokens and logprobs are still its own alone, in
+    mixtures and orders hypothesis would draw (a few fixed ones: each costs a compile-free
+    run)."""
+    from tests.helpers import native_quantized_products
+
+    llm, alone = invariant_gguf
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate([_prompts()[0]], _params(0), use_tqdm=False)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    steps = _params(0).max_tokens  # one prefill chunk, then a decode a token
+    products = calls.get("compilecore::q4_linear", 0) + calls.get("compilecore::q8_linear", 0)
+    # 4 a layer, and layer 1's QKV held per part (q and k Q4_1, v Q8_0): two more
+    assert products == (10 * steps if native_quantized_products() else 0)
+    for mixture in ([(0, 0), (3, 1), (5, 2), (1, 0)], [(4, 2), (4, 0), (2, 1), (0, 2), (5, 0),
+                                                      (1, 1), (3, 0), (2, 2)]):  # fmt: skip
+        prompts = [_prompts()[i] for i, _ in mixture]
+        outs = llm.generate(prompts, [_params(kind) for _, kind in mixture], use_tqdm=False)
+        for (i, kind), out in zip(mixture, outs):
+            assert _result(out) == alone[i, kind], (i, kind)
+
+
+def test_the_start_up_check_covers_every_block_format(tiny_gguf, tiny_llama, monkeypatch):
+    """The worker checks each quantized format and shape on the model's own weights
+    (`check_invariant_blocks`); a kernel whose rows depended on the row count (the
+    default products: int8 activations, strips, a dense GEMM past the row products) is
+    refused by name."""
+    from models.layers.quantization import QuantFormat
+    from passes.ops.invariant_mm import NotBatchInvariant
+    from runtime import LLM
+    from runtime.worker import check_invariant_blocks
+    from tests.helpers import native_quantized_products
+
+    if not native_quantized_products():
+        pytest.skip("our quantized products do not run here")
+    llm = LLM(str(tiny_gguf[0]), tokenizer=str(tiny_llama[0]), enforce_eager=True)
+    config, model = llm.engine_config, llm.llm_engine.model
+    checked = []
+    real = QuantFormat.product
+    monkeypatch.setattr(
+        QuantFormat,
+        "product",
+        lambda self, *a, **k: checked.append(self.bits) or real(self, *a, **k),
+    )
+    check_invariant_blocks(model, config)
+    assert set(checked) == {4, 8}
+
+    def variant(self, x, fields, bias=None, out_dtype=None, int8_x=False, invariant=False):
+        return real(self, x, fields, bias, out_dtype, True, False)  # the default's paths
+
+    monkeypatch.setattr(QuantFormat, "product", variant)
+    with pytest.raises(NotBatchInvariant, match="read from the blocks"):
+        check_invariant_blocks(model, config)

@@ -441,6 +441,48 @@ def test_int8_activations_off_keeps_products_exact_without_avx512_bf16():
     assert errors[0] < 1e-5 < 1e-3 < errors[1]  # exact fp32 sums, then int8 x's rounding
 
 
+def _invariance_cases():
+    g = torch.Generator().manual_seed(11)
+    n, k = 48, 512
+    return {
+        "q4 g32": ("q4", _q4_fields(g, n, k)),
+        "Q4_K": ("q4", _q4_fields(g, n, k, 32, k_quant=True)),
+        "q8 g32": ("q8", _q8_fields(g, n, k, 32)),
+        "q8 per channel": ("q8", _q8_fields(g, n, k, k)),
+        "Q6_K": ("q8", _q8_fields(g, n, k, k_quant=True)),
+    }
+
+
+def _rows_that_differ(kind, fields, dtype, invariant):
+    """The row counts m (1-32) whose product gives the first m rows other bits than the
+    same rows among 48, int8 activations allowed (the default's widest choice of paths)."""
+    k = quantized.q8_columns(fields[0]) if kind == "q8" else fields[0].shape[-1] * 2
+    x = torch.randn(48, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    op = ops.q4_linear if kind == "q4" else ops.q8_linear
+    full = op(x, *fields, None, None, True, invariant)
+    return [m for m in range(1, 33) if not torch.equal(op(x[:m], *fields, None, None, True,
+                                                             invariant), full[:m])]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", sorted(_invariance_cases()))
+def test_invariant_products_give_a_row_its_bits_at_every_row_count(case, dtype):
+    """`invariant=True` (batch-invariant mode): every row count takes the row products,
+    exact (no int8 activations, no strips, no dense GEMM), so a row's bits never depend
+    on the other rows."""
+    kind, fields = _invariance_cases()[case]
+    assert _rows_that_differ(kind, fields, dtype, invariant=True) == []
+
+
+def test_the_default_products_depend_on_the_row_count():
+    """The control: without `invariant` the paths change with the row count, and some
+    row counts give other bits (on any CPU whose kernels build)."""
+    if quantized.kernel_path() == "portable":
+        pytest.skip("the portable loop has one path")
+    cases = _invariance_cases()
+    assert any(_rows_that_differ(*cases[c], torch.bfloat16, invariant=False) for c in cases)
+
+
 def test_the_pass_switches_follow_the_kernels_that_build():
     """Only the passes whose kernels build are on by default; `native_kernels=False` turns
     every one of them off, the quantized products included."""

@@ -87,13 +87,15 @@ class QuantFormat:
 
     def product(self, x: torch.Tensor, fields: Sequence[torch.Tensor],
                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                int8_x: bool = False) -> torch.Tensor:  # fmt: skip
+                int8_x: bool = False, invariant: bool = False) -> torch.Tensor:  # fmt: skip
         """x @ values^T (+ bias) read straight from the blocks (the LM head's product,
-        which runs outside compiled code); `int8_x`: q8's argument of that name."""
+        which runs outside compiled code); `int8_x`, `invariant`: the ops' arguments of
+        those names."""
         ops = torch.ops.compilecore
         if self.bits == 4:  # as the pass gives them (`q4_int8_x`)
-            return ops.q4_linear(x, *fields, bias, out_dtype, q4_int8_x(fields[1], int8_x))
-        return ops.q8_linear(x, *fields, bias, out_dtype, int8_x)
+            int8_x = q4_int8_x(fields[1], int8_x)
+            return ops.q4_linear(x, *fields, bias, out_dtype, int8_x, invariant)
+        return ops.q8_linear(x, *fields, bias, out_dtype, int8_x, invariant)
 
 
 def quant_fields(module: nn.Module, fmt: QuantFormat | None = None, suffix: str = ""

@@ -4,7 +4,8 @@
 // they are stored compact, as Q4_K's (q4) or Q6_K's (q8) super-blocks hold them
 // (`CompactScales` below), bit 5: x may be quantized to int8 (Q8_0's products: `Strip8`,
 // q4's row products: `row_product_q4_int8`), bit 6: q8's values are Q6_K's, packed in 6
-// bits (`unpack_q6_row`).
+// bits (`unpack_q6_row`), bit 7: batch-invariant (the exact row products at every row
+// count; bit 5 ignored).
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
@@ -127,6 +128,9 @@ inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g, bool int8_ok) {
 template <bool Q4, typename S, bool Compact = false>
 void product_team(const void* x, int64_t flags, const void* w, const S* scales, const S* mins,
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
+  // Batch-invariant mode (flags bit 7): one path at every row count, so that a row's bits
+  // never depend on the other rows: the row products, without int8 activations or strips.
+  if (flags & 128) flags &= ~int64_t(32);
   const int64_t bf = flags & 1;
   Path path = choose(Q4, bf, K, g, flags & 32);
   // Q6_K's packed rows (compact scales, K whole super-blocks): the bf16 row product reads
@@ -137,7 +141,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
   const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
-  const bool strips = path == Path::bf16 && M >= tiled_rows && N >= TILE_N;
+  const bool strips = path == Path::bf16 && M >= tiled_rows && N >= TILE_N && !(flags & 128);
   // Q8_0 with int8 activations where the caller allows it (flags bit 5), as llama.cpp
   // multiplies: its strips from 6 rows, the integer row product up to INT8_ROWS_Q8 rows
   // (1.01-1.22x the exact one end to end at batch 1 on the 1.7B file, by how fast the

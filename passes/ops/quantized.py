@@ -275,17 +275,18 @@ def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
 
 def _product_call(
     name: str, x: torch.Tensor, w: torch.Tensor, fields: tuple, bias: torch.Tensor | None,
-    y: torch.Tensor, int8_x: bool = False,
+    y: torch.Tensor, int8_x: bool = False, invariant: bool = False,
 ) -> NativeCall | None:  # fmt: skip
     """The kernel's call for y = x @ dequantize(w, *fields)^T (+ bias), or None where it
-    does not apply (a GPU, another dtype, a strided input, many rows, no compiler)."""
+    does not apply (a GPU, another dtype, a strided input, many rows, no compiler).
+    `invariant` (batch-invariant mode): the row products at every row count, exact."""
     groups, bits = groups_of(fields[0]), 4 if len(fields) == 2 else 8
     tensors = (x, w, *fields, y) + (() if bias is None else (bias,))
     floats = (torch.float32, torch.bfloat16)
     if (
         x.dim() != 2
         or x.shape[-1] % groups
-        or not _few_enough_rows(x, bits, x.shape[-1] // groups)
+        or not (invariant or _few_enough_rows(x, bits, x.shape[-1] // groups))
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)
@@ -299,7 +300,8 @@ def _product_call(
     m, k = x.shape
     n = w.shape[0]
     flags = int(x.dtype == torch.bfloat16) | 2 * int(y.dtype == torch.bfloat16)
-    flags |= _scale_flags(fields[0], w, bits == 4) | 32 * int(bool(int8_x))
+    flags |= _scale_flags(fields[0], w, bits == 4) | 32 * int(bool(int8_x) and not invariant)
+    flags |= 128 * int(bool(invariant))
     args = (x, flags, w, *fields, 0 if bias is None else bias, y, m, n, k, k // groups)
     team, region = getattr(lib, f"{name}_team"), getattr(lib, f"{name}_region")
     return NativeCall(
@@ -309,13 +311,13 @@ def _product_call(
 
 
 def _q4_call(args: tuple, out: torch.Tensor) -> NativeCall | None:
-    x, w, scales, mins, bias, _, int8_x = (*args, None, None, False)[:7]
-    return _product_call("q4_linear", x, w, (scales, mins), bias, out, int8_x)
+    x, w, scales, mins, bias, _, int8_x, invariant = (*args, None, None, False, False)[:8]
+    return _product_call("q4_linear", x, w, (scales, mins), bias, out, int8_x, invariant)
 
 
 def _q8_call(args: tuple, out: torch.Tensor) -> NativeCall | None:
-    x, w, scales, bias, _, int8_x = (*args, None, None, False)[:6]
-    return _product_call("q8_linear", x, w, (scales,), bias, out, int8_x)
+    x, w, scales, bias, _, int8_x, invariant = (*args, None, None, False, False)[:7]
+    return _product_call("q8_linear", x, w, (scales,), bias, out, int8_x, invariant)
 
 
 def _product_ref(x, weight, bias, out_dtype):
@@ -324,14 +326,14 @@ def _product_ref(x, weight, bias, out_dtype):
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(out_dtype)
 
 
-def q4_linear_ref(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
+def q4_linear_ref(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invariant=False):
     """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias), in `out_dtype` (x's);
     exact (`int8_x` allows the kernel an approximation; never the reference)."""
     dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
     return _product_ref(x, dequantize_q4_ref(w, scales, mins, dtype), bias, out_dtype)
 
 
-def q8_linear_ref(x, w, scales, bias=None, out_dtype=None, int8_x=False):
+def q8_linear_ref(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=False):
     """The exact product (`int8_x` allows the kernel an approximation; never the reference)."""
     dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
     return _product_ref(x, dequantize_q8_ref(w, scales, dtype), bias, out_dtype)
@@ -362,13 +364,15 @@ def _dense_product(x, weight, bias, out_dtype):
     return _product_ref(x, weight, bias, out_dtype)
 
 
-def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
+def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invariant=False):
     """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias). `int8_x`: with bf16 x, on
     CPUs with AVX512-BF16 and AVX512-VNNI, the row products (below the strips' 8 rows) may
     quantize x to int8 per run of 32, as llama.cpp multiplies its K-quants (the pass asks
-    for it for Q4_K's: NOTES 56), within the same bound as Q8_0's (tests/test_quantized.py)."""
+    for it for Q4_K's: NOTES 56), within the same bound as Q8_0's (tests/test_quantized.py).
+    `invariant` (batch-invariant mode): a row's bits the same at every row count (the row
+    products for all rows, never the dense copy's GEMM)."""
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
-    call = _q4_call((x, w, scales, mins, bias, out_dtype, int8_x), y)
+    call = _q4_call((x, w, scales, mins, bias, out_dtype, int8_x, invariant), y)
     if call is None:  # many rows (a prefill): one dense copy, then the dense product
         dtype = _dense_dtype(x, out_dtype)
         return _dense_product(x, dequantize_q4(w, scales, mins, dtype), bias, out_dtype)
@@ -376,16 +380,17 @@ def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
     return y
 
 
-def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False):
+def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=False):
     """y [M, N] = x @ dequantize_q8(w, scales)^T (+ bias). `int8_x`: for Q8_0 (bf16 x,
     groups of 32, AVX512-BF16 and AVX512-VNNI) x may be quantized to int8 per run of 32 as
     llama.cpp does: its strips (6 rows and more) 1.5x the exact products' speed, its row
     products for 1-2 rows 1.01-1.22x (NOTES 55), within ~1% of the largest output
     (tests/test_quantized.py bounds it); 3-5 rows (where the integer row product was
     slower) and the rows past a whole number of strips (a strip: 16 weight rows) stay
-    exact. Q6_K's 6-bit values take it in their row products (1-5 rows: NOTES 56)."""
+    exact. Q6_K's 6-bit values take it in their row products (1-5 rows: NOTES 56).
+    `invariant`: as `q4_linear`'s."""
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
-    call = _q8_call((x, w, scales, bias, out_dtype, int8_x), y)
+    call = _q8_call((x, w, scales, bias, out_dtype, int8_x, invariant), y)
     if call is None:
         return q8_dense_product(x, w, scales, bias, out_dtype)
     call.run()
@@ -404,23 +409,23 @@ def q8_dense_product(x, w, scales, bias=None, out_dtype=None):
     return _dense_product(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
 
 
-def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
+def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invariant=False):
     from passes.ops.triton_quant import quant_linear_triton
 
     return quant_linear_triton(x, w, (scales, mins), bias, out_dtype)
 
 
-def q8_linear_cuda(x, w, scales, bias=None, out_dtype=None, int8_x=False):
+def q8_linear_cuda(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=False):
     from passes.ops.triton_quant import quant_linear_triton
 
     return quant_linear_triton(x, w, (scales,), bias, out_dtype)
 
 
-def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False):
+def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invariant=False):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
 
 
-def _fake_q8(x, w, scales, bias=None, out_dtype=None, int8_x=False):
+def _fake_q8(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=False):
     return x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
 
 
@@ -438,11 +443,11 @@ _LIB.define("dequantize_q4(Tensor w, Tensor scales, Tensor mins, ScalarType dtyp
 _LIB.define("dequantize_q8(Tensor w, Tensor scales, ScalarType dtype) -> Tensor")
 _LIB.define(
     "q4_linear(Tensor x, Tensor w, Tensor scales, Tensor mins, Tensor? bias=None, "
-    "ScalarType? out_dtype=None, bool int8_x=False) -> Tensor"
+    "ScalarType? out_dtype=None, bool int8_x=False, bool invariant=False) -> Tensor"
 )
 _LIB.define(
     "q8_linear(Tensor x, Tensor w, Tensor scales, Tensor? bias=None, "
-    "ScalarType? out_dtype=None, bool int8_x=False) -> Tensor"
+    "ScalarType? out_dtype=None, bool int8_x=False, bool invariant=False) -> Tensor"
 )
 _LIB.impl("dequantize_q4", dequantize_q4, "CPU")
 _LIB.impl("dequantize_q8", dequantize_q8, "CPU")
