@@ -42,7 +42,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402
 from bench_throughput import fixed_shapes, llama_batched_bench  # noqa: E402
-from common import SAMPLED, decode_once, machine, save_results  # noqa: E402
+from common import (  # noqa: E402
+    SAMPLED,
+    bytes_read_per_token,
+    decode_once,
+    machine,
+    read_bandwidth,
+    save_results,
+    weight_bytes,
+)
 
 from models.default_model import find_gguf  # noqa: E402
 from runtime import LLM  # noqa: E402
@@ -110,6 +118,14 @@ def prompt_for(llm: LLM, round_: int) -> list[int]:
     return llm.apply_chat_template([{"role": "user", "content": question}])["prompt_token_ids"]
 
 
+def greedy_step_bytes(llm: LLM) -> int:
+    """The weight bytes a greedy batch-1 step reads: every weight (a quantized head's
+    blocks included), a 16-bit head through its int8 screen where it has one."""
+    if hasattr(llm.llm_engine.model.lm_head, "weight"):
+        return bytes_read_per_token(llm, None)
+    return weight_bytes(llm)
+
+
 def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
@@ -148,9 +164,15 @@ def main(argv: list[str] | None = None) -> Path:
     exact_cc = {"passes": {"int8_activations": False}}
     exact = {f: LLM(str(f), max_model_len=1024, max_num_seqs=seqs, compilation_config=exact_cc)
              for f in (files if args.exact_too else [])}  # fmt: skip
+    for llm in engines.values():  # CPU graphs recorded and every kernel built before round 1
+        for sampling in (None, SAMPLED):
+            decode_once(llm, prompt_for(llm, -1), 8, sampling)
     speeds: dict[tuple[str, str], list[float]] = {}
+    sum_gbps: list[float] = []  # a plain sum's read rate before each round
     build = ik_build = "not run"
     for r in range(args.rounds):
+        sum_gbps.append(read_bandwidth(repeats=3))
+        print(f"round {r + 1}: a plain sum reads {sum_gbps[-1]:.1f} GB/s")
         for f, llm in engines.items():
             for mode, sampling in (("greedy", None), ("sampled", SAMPLED)):
                 tok_s = decode_once(llm, prompt_for(llm, r * 2 + (mode == "sampled")),
@@ -187,9 +209,14 @@ def main(argv: list[str] | None = None) -> Path:
                         theirs["tok_s"])  # fmt: skip
             print(f"round {r + 1}: {f.name}: " + ", ".join(
                 f"{k[1]} {v[-1]:.1f}" for k, v in speeds.items() if k[0] == f.name))  # fmt: skip
-    rows = []
+    rows = [{"file": "(memory)", "engine": "plain sum, before each round",
+             "GB/s median (range)": spread(sum_gbps)}]  # fmt: skip
+    step_bytes = {f.name: greedy_step_bytes(llm) for f, llm in engines.items()}
     for (name, engine), values in speeds.items():
         row = {"file": name, "engine": engine, "tok/s median (range)": spread(values)}
+        if engine == "compilecore greedy":  # the weights a step reads, at what rate
+            row["MB a token"] = round(step_bytes[name] / 1e6, 1)
+            row["GB/s median (range)"] = spread([v * step_bytes[name] / 1e9 for v in values])
         for peer_name, column in _peers_of(engine):
             peer = speeds.get((name, peer_name))
             if peer and engine.startswith("compilecore"):
@@ -203,7 +230,7 @@ def main(argv: list[str] | None = None) -> Path:
     facts = ", ".join(f"{k} {v}" for k, v in meta.items())
     title = f"Batch-1 decode on GGUF files, interleaved rounds; {facts}"
     columns = ["file", "engine", "tok/s median (range)", "vs llama.cpp, median (range)",
-               "vs ik_llama.cpp, median (range)"]  # fmt: skip
+               "vs ik_llama.cpp, median (range)", "MB a token", "GB/s median (range)"]  # fmt: skip
     path = save_results(args.name, rows, columns, title)
     print(path.with_suffix(".md").read_text())
     return path

@@ -10,6 +10,7 @@ import itertools
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -300,11 +301,32 @@ def _cpu_model() -> str | None:
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
 
 
+# The /proc/cpuinfo flags that choose our kernels' paths, and the names results print.
+_ISA_FLAGS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_vnni": "VNNI",
+              "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX"}  # fmt: skip
+
+
+def cpu_features() -> list[str]:
+    """The instruction sets our kernels choose by, as this CPU lists them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    flags = set(line.split(":", 1)[-1].split())
+    return [name for flag, name in _ISA_FLAGS.items() if flag in flags]
+
+
 def machine() -> dict:
     amx = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
+    script = Path(sys.argv[0])
+    if script.is_absolute() and script.is_relative_to(Path.cwd()):
+        script = script.relative_to(Path.cwd())
     return {
+        "command": " ".join(["python", str(script), *sys.argv[1:]]),
         "processor": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
+        "cpu_features": cpu_features(),
         "amx": bool(amx()) if amx is not None else None,
         # Our batch-1 loops prefetch their weights on Intel only (NOTES section 42).
         "weight_prefetch_bytes": prefetch.weight_prefetch_bytes(),

@@ -33,15 +33,28 @@ if [ ! -d "$src" ]; then
 fi
 
 tools="llama-batched-bench llama-bench llama-server llama-perplexity llama-quantize"
+build_llama_cpp() {  # extra compiler flags as the one argument
+    cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+        -DCMAKE_C_FLAGS="$1" -DCMAKE_CXX_FLAGS="$1" >/dev/null
+    cmake --build "$build" -j"$(nproc)" --target llama $tools >/dev/null
+}
 missing_tool=0
 for tool in $tools; do [ -x "$build/bin/$tool" ] || missing_tool=1; done
 if [ "$missing_tool" = 1 ] || [ ! -f "$build/bin/libllama.so" ]; then
     echo "[peers] building llama.cpp (cmake, Release, native ISA; ~6 min on 2 cores)" >&2
-    cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release \
-        -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF >/dev/null
-    cmake --build "$build" -j"$(nproc)" \
-        --target llama $tools >/dev/null
+    build_llama_cpp ""
+fi
+# On a 2026-12 AMX Xeon VM llama.cpp's AMX kernels died in their first `tileloadd` (SIGILL)
+# on every prompt: where a short prompt fails on an AMX CPU, build it again without them.
+shipped="$(python -c 'from models.default_model import find_gguf; print(find_gguf() or "")')"
+if grep -qw amx_tile /proc/cpuinfo && [ -n "$shipped" ] && \
+        ! "$build/bin/llama-bench" -m "$shipped" -p 32 -n 0 -t 1 -r 1 >/dev/null 2>&1; then
+    echo "[peers] llama.cpp's prompt path fails on this CPU (its AMX kernels): rebuilding" \
+        "llama.cpp without AMX (~6 min)" >&2
+    rm -rf "$build"
+    build_llama_cpp "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 fi
 
 if ! python -m pip show -q llama-cpp-python >/dev/null 2>&1; then

@@ -1,5 +1,5 @@
 """Property-based testing helpers for model authors (`runtime.testing.compiled_eager_pair`
-builds the two models; see its docstring and the README for a test that runs as written).
+builds the two models; see its docstring and docs/passes.md for a test that runs as written).
 
     from hypothesis import given
     from compilecore import testing

@@ -1,1 +1,1 @@
-"""User passes written against compilecore's public pass API (README: "Write a pass")."""
+"""User passes written against compilecore's public pass API (docs/passes.md: "Write a pass")."""

@@ -1,6 +1,6 @@
 """FX/Inductor passes and the fused custom ops they emit.
 
-The public API for user-written passes (see the README's "Write a pass"):
+The public API for user-written passes (see docs/passes.md, "Write a pass"):
 `passes.GraphPass`, `passes.PatternPass` and `passes.as_pass`.
 """
 

@@ -1,7 +1,7 @@
 """What every pass is: a callable on a post-grad FX graph that returns how many sites it
 rewrote, with a uuid that changes when its source or configuration changes.
 
-This is also the public API for passes written outside this package (the README's
+This is also the public API for passes written outside this package (docs/passes.md's
 "Write a pass"): subclass `GraphPass`, or build a `PatternPass` from a search function,
 a replace function and example inputs, and hand it to
 `compilation_config={"custom_passes": [...]}`.

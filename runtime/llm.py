@@ -580,7 +580,7 @@ def _check_engine_arg_names(engine_args: dict[str, Any]) -> None:
         if name in _VLLM_ENGINE_ARGS:
             raise ValueError(
                 f"vLLM's engine argument {name!r} has no counterpart in compilecore: drop it "
-                "(README, 'vLLM compatibility')"
+                "(docs/vllm-compatibility.md)"
             )
         close = difflib.get_close_matches(name, sorted(known | _VLLM_ENGINE_ARGS), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""

@@ -1,5 +1,6 @@
-"""The README's property-test example, as written there (kept in sync by hand: the README
-copies this test). It must run under pytest out of the box: no deadline failures."""
+"""docs/passes.md's property-test example, as written there (tests/test_docs.py checks
+that the doc shows this test's code). It must run under pytest out of the box: no deadline
+failures."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests.helpers import llama_config
 pytestmark = pytest.mark.slow
 
 
-# --- README example start ---
+# --- docs example start ---
 @testing.settings(max_examples=4)
 @given(config=testing.llama_configs(max_layers=2), n=testing.token_counts(32))
 def test_compiled_equals_eager(config, n):
@@ -27,7 +28,7 @@ def test_compiled_equals_eager(config, n):
     testing.assert_compiled_matches_eager(compiled, eager, ids, positions)
 
 
-# --- README example end ---
+# --- docs example end ---
 
 
 def test_the_pair_shares_weights_and_differs_from_another_seed():
