@@ -80,6 +80,12 @@ def _result(out):
     return completion.token_ids, logprobs
 
 
+def _alone(llm) -> dict:
+    """Each (prompt, kind) request's result run by itself."""
+    return {(i, kind): _result(llm.generate([prompt], _params(kind), use_tqdm=False)[0])
+            for i, prompt in enumerate(_prompts()) for kind in range(3)}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def invariant_llm(tiny_llama, tmp_path_factory):
     """A compiled engine in batch-invariant mode whose budget cuts the longer prompts into
@@ -89,11 +95,7 @@ def invariant_llm(tiny_llama, tmp_path_factory):
     llm = LLM(str(tiny_llama[0]), max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8,
               compilation_config={"batch_invariant": True,
                                   "cache_dir": str(tmp_path_factory.mktemp("bi"))})  # fmt: skip
-    alone = {}
-    for i, prompt in enumerate(_prompts()):
-        for kind in range(3):
-            alone[i, kind] = _result(llm.generate([prompt], _params(kind), use_tqdm=False)[0])
-    return llm, alone
+    return llm, _alone(llm)
 
 
 @settings(max_examples=12, deadline=None,
@@ -299,11 +301,7 @@ def invariant_gguf(tiny_gguf, tiny_llama, tmp_path_factory):
               max_num_batched_tokens=40, max_num_seqs=8,
               compilation_config={"batch_invariant": True,
                                   "cache_dir": str(tmp_path_factory.mktemp("bq"))})  # fmt: skip
-    alone = {}
-    for i, prompt in enumerate(_prompts()):
-        for kind in range(3):
-            alone[i, kind] = _result(llm.generate([prompt], _params(kind), use_tqdm=False)[0])
-    return llm, alone
+    return llm, _alone(llm)
 
 
 def test_quantized_models_read_the_blocks_and_keep_each_requests_bits(invariant_gguf):

@@ -354,10 +354,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Int8Chunks rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = int8_chunks(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          if (mb == 4) row_product_q6_int8<4>(rm, K, wq, sp, out);
-          else if (mb == 3) row_product_q6_int8<3>(rm, K, wq, sp, out);
-          else if (mb == 2) row_product_q6_int8<2>(rm, K, wq, sp, out);
-          else row_product_q6_int8<1>(rm, K, wq, sp, out);
+          CC_BY_ROWS(mb, row_product_q6_int8<MB>(rm, K, wq, sp, out));
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
@@ -368,10 +365,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Bf16Row rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          if (mb == 4) row_product_q6_bf16<4>(rm, K, wq, sp, out);
-          else if (mb == 3) row_product_q6_bf16<3>(rm, K, wq, sp, out);
-          else if (mb == 2) row_product_q6_bf16<2>(rm, K, wq, sp, out);
-          else row_product_q6_bf16<1>(rm, K, wq, sp, out);
+          CC_BY_ROWS(mb, row_product_q6_bf16<MB>(rm, K, wq, sp, out));
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
@@ -394,10 +388,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Int8Chunks rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = int8_chunks(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          if (mb == 4) row_product_q4_int8<4>(rm, K, wq, sp, mp, shift, out);
-          else if (mb == 3) row_product_q4_int8<3>(rm, K, wq, sp, mp, shift, out);
-          else if (mb == 2) row_product_q4_int8<2>(rm, K, wq, sp, mp, shift, out);
-          else row_product_q4_int8<1>(rm, K, wq, sp, mp, shift, out);
+          CC_BY_ROWS(mb, row_product_q4_int8<MB>(rm, K, wq, sp, mp, shift, out));
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
@@ -408,10 +399,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Bf16Row rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          if (mb == 4) row_product_q4_bf16<4>(rm, K, wq, sp, mp, shift, out);
-          else if (mb == 3) row_product_q4_bf16<3>(rm, K, wq, sp, mp, shift, out);
-          else if (mb == 2) row_product_q4_bf16<2>(rm, K, wq, sp, mp, shift, out);
-          else row_product_q4_bf16<1>(rm, K, wq, sp, mp, shift, out);
+          CC_BY_ROWS(mb, row_product_q4_bf16<MB>(rm, K, wq, sp, mp, shift, out));
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
@@ -421,10 +409,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       if (path == Path::int8) {
         QuantRow rm[MB_MAX];
         for (int64_t m = 0; m < mb; ++m) rm[m] = quant_row(m0 + m);
-        if (mb == 4) row_product_int8<4, Q4>(rm, K, wrow, s, mn, out);
-        else if (mb == 3) row_product_int8<3, Q4>(rm, K, wrow, s, mn, out);
-        else if (mb == 2) row_product_int8<2, Q4>(rm, K, wrow, s, mn, out);
-        else row_product_int8<1, Q4>(rm, K, wrow, s, mn, out);
+        CC_BY_ROWS(mb, row_product_int8<MB, Q4>(rm, K, wrow, s, mn, out));
         store(y, flags, bias, N, n, m0, mb, out);
         continue;
       }
@@ -433,10 +418,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       if constexpr (Q4) {
         const float* sums = extra + m0 * per_row;
         const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-        if (mb == 4) row_product_q4_sums<4>(xm, sums, K, g, wq, s, mn, out);
-        else if (mb == 3) row_product_q4_sums<3>(xm, sums, K, g, wq, s, mn, out);
-        else if (mb == 2) row_product_q4_sums<2>(xm, sums, K, g, wq, s, mn, out);
-        else row_product_q4_sums<1>(xm, sums, K, g, wq, s, mn, out);
+        CC_BY_ROWS(mb, row_product_q4_sums<MB>(xm, sums, K, g, wq, s, mn, out));
       } else if (avx2_int8) {
         const int8_t* xq[MB_MAX];
         const float* dx[MB_MAX];
@@ -446,18 +428,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
         else row_product_q8_int8<1>(xq, dx, K, wq, s, out);
       } else {
         const int8_t* wq = reinterpret_cast<const int8_t*>(wrow);
-        if (mb == 4) row_product_q8<4>(xm, K, g, wq, s, out);
-        else if (mb == 3) row_product_q8<3>(xm, K, g, wq, s, out);
-        else if (mb == 2) row_product_q8<2>(xm, K, g, wq, s, out);
-        else row_product_q8<1>(xm, K, g, wq, s, out);
+        CC_BY_ROWS(mb, row_product_q8<MB>(xm, K, g, wq, s, out));
       }
       store(y, flags, bias, N, n, m0, mb, out);
       continue;
 #endif
-      if (mb == 4) row_product<4, Q4>(xm, K, g, wrow, s, mn, out);
-      else if (mb == 3) row_product<3, Q4>(xm, K, g, wrow, s, mn, out);
-      else if (mb == 2) row_product<2, Q4>(xm, K, g, wrow, s, mn, out);
-      else row_product<1, Q4>(xm, K, g, wrow, s, mn, out);
+      CC_BY_ROWS(mb, row_product<MB, Q4>(xm, K, g, wrow, s, mn, out));
       store(y, flags, bias, N, n, m0, mb, out);
     }
   }

@@ -287,10 +287,7 @@ inline void row_product_q8_bf16(const bf16* const* xs, int64_t K, const int8_t* 
 template <int G, typename SP>
 inline void q8_bf16_rows(int64_t mb, const bf16* const* xs, int64_t K, const int8_t* w, SP s,
                          float* out) {
-  if (mb == 4) row_product_q8_bf16<4, G>(xs, K, w, s, out);
-  else if (mb == 3) row_product_q8_bf16<3, G>(xs, K, w, s, out);
-  else if (mb == 2) row_product_q8_bf16<2, G>(xs, K, w, s, out);
-  else row_product_q8_bf16<1, G>(xs, K, w, s, out);
+  CC_BY_ROWS(mb, row_product_q8_bf16<MB, G>(xs, K, w, s, out));
 }
 
 // Many rows (compute-bound): the row products above scale every run of every row. Here
