@@ -48,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from passes import native_calls
-from passes.native import load_library
+from passes.native import declare, load_library
 
 __all__ = ["CpuGraph", "CpuGraphUnsupported", "capture", "is_capturing"]
 
@@ -129,9 +129,7 @@ extern "C" void run_program(const i64* p, i64 num_calls) {{
 def _executor(root: Path) -> Any:
     flags = ["-O2", "-fopenmp", "-shared", "-fPIC"]
     lib = load_library(_executor_source(), "cpu_graph", root, flags)
-    lib.run_program.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.run_program.restype = None
-    return lib.run_program
+    return declare(lib, "run_program(ptr, i64)").run_program
 
 
 class _Capture:

@@ -160,6 +160,35 @@ def unrolled_sizes(*sizes: int) -> tuple[int, ...]:
     return tuple(sorted({k for k in sizes if UNROLL_MIN_K <= k <= UNROLL_MAX_K}))
 
 
+# The C types a native library's functions take, by the short names signatures use.
+_C_TYPES = {
+    "i64": ctypes.c_int64,
+    "f32": ctypes.c_float,
+    "ptr": ctypes.c_void_p,
+    "i64*": ctypes.POINTER(ctypes.c_int64),
+    "f64*": ctypes.POINTER(ctypes.c_double),
+}
+_SIGNATURE = re.compile(r"(\w+)\(([^)]*)\)(?:\s*->\s*(\S+))?")
+
+
+def declare(lib: ctypes.CDLL, *signatures: str) -> ctypes.CDLL:
+    """Give `lib`'s functions their C argument and result types, each written once as
+    "name(ptr, i64, f32) -> i64" ("i64 x7": seven of them; no "->": no result). Every
+    loader of a native library declares its functions this way, beside the load."""
+    for signature in signatures:
+        match = _SIGNATURE.fullmatch(signature.strip())
+        if match is None:
+            raise ValueError(f"not a signature: {signature!r}")
+        name, params, result = match.groups()
+        types = []
+        for param in filter(None, (p.strip() for p in params.split(","))):
+            kind, _, count = param.partition(" x")
+            types += [_C_TYPES[kind]] * int(count or 1)
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = types, None if result is None else _C_TYPES[result]
+    return lib
+
+
 COMMON_HEADER = Path(__file__).parent / "ops" / "cc_common.h"
 
 
@@ -189,13 +218,14 @@ def op_source(source: Path | str, read: Callable[[str], str] | None = None) -> s
 
 
 def load_op_kernel(
-    source: Path, available: str, dot_sizes: Sequence[int] = ()
+    source: Path, available: str, dot_sizes: Sequence[int] = (), signatures: Sequence[str] = ()
 ) -> ctypes.CDLL | None:
     """An op's optional kernel: the library built from `source` (named after the file),
-    or None where it cannot be built or its `available()` says this CPU lacks what it
-    needs; callers then take their fallback. `dot_sizes`: row lengths the source's
-    `CC_DOT_SIZES` list gets (`CC_DOT(576) CC_DOT(1536)`), one build per list; its
-    `CC_PREFETCH` is `passes.prefetch.weight_prefetch_bytes()`."""
+    its functions typed by `signatures` (`declare`), or None where it cannot be built or
+    its `available()` says this CPU lacks what it needs; callers then take their fallback.
+    `dot_sizes`: row lengths the source's `CC_DOT_SIZES` list gets (`CC_DOT(576)
+    CC_DOT(1536)`), one build per list; its `CC_PREFETCH` is
+    `passes.prefetch.weight_prefetch_bytes()`."""
     flags = FLAGS + [f"-DCC_PREFETCH={prefetch.weight_prefetch_bytes()}"]
     if dot_sizes:
         flags += ["-DCC_DOT_SIZES=" + " ".join(f"CC_DOT({k})" for k in dot_sizes)]
@@ -203,4 +233,4 @@ def load_op_kernel(
         lib = load_library(op_source(source), source.stem, cache_root() / "torch_compile", flags)
     except (OSError, KernelBuildError):
         return None
-    return lib if getattr(lib, available)() else None
+    return declare(lib, *signatures) if getattr(lib, available)() else None

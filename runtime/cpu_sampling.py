@@ -32,14 +32,8 @@ def build() -> bool:
 
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
-    lib = native.load_op_kernel(Path(__file__).with_suffix(".cpp"), "sample_rows_available")
-    if lib is not None:
-        i64, pointer = ctypes.c_int64, ctypes.POINTER
-        lib.sample_rows.argtypes = [
-            ctypes.c_void_p, i64, i64, i64, pointer(ctypes.c_double), pointer(i64)
-        ]  # fmt: skip
-        lib.sample_rows.restype = None
-    return lib
+    return native.load_op_kernel(Path(__file__).with_suffix(".cpp"), "sample_rows_available",
+                                 (), ("sample_rows(ptr, i64 x3, f64*, i64*)",))  # fmt: skip
 
 
 class _Buffers(threading.local):

@@ -88,3 +88,19 @@ def test_the_quant_kernels_source_is_whole():
     for part in ("hsum8", "row_product_q4_bf16", "strip_rows_int8", "dequantize_team"):
         assert text.count(f" {part}(") >= 1
     assert text.count("inline float f16_f32(") == 1
+
+
+def test_declare_types_a_librarys_functions_from_one_line_each():
+    """Every native library's functions are typed by `native.declare` signatures: a
+    count ("i64 x3"), pointers, a result; a malformed signature is an error, not a
+    function left with ctypes' default int (32-bit) arguments."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    native.declare(libc, "labs(i64) -> i64", "memcpy(ptr x2, i64) -> ptr", "abort()")
+    assert libc.labs.argtypes == [ctypes.c_int64] and libc.labs.restype is ctypes.c_int64
+    assert libc.labs(-(1 << 40)) == 1 << 40  # 64 bits through the call
+    assert libc.memcpy.argtypes == [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+    assert libc.abort.argtypes == [] and libc.abort.restype is None
+    with pytest.raises(ValueError, match="not a signature"):
+        native.declare(libc, "labs i64")

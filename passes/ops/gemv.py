@@ -34,19 +34,12 @@ def gemv_logits_reduction(
 def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
     """`gemv.cpp` built for this CPU (rows unrolled for `dot_sizes`), or None where it has
     no AVX512-BF16."""
-    source = Path(__file__).with_name("gemv.cpp")
-    lib = native.load_op_kernel(source, "gemv_available", dot_sizes)
-    if lib is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.gemv_bf16_f32.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64]
-    lib.gemv_bf16_f32.restype = None
-    lib.gemv_unrolled.argtypes, lib.gemv_unrolled.restype = [i64], i64
-    lib.gemv_screen_available.argtypes, lib.gemv_screen_available.restype = [], i64
-    lib.gemv_head_bf16.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, ptr, i64, ptr,
-                                   i64, ptr]  # fmt: skip
-    lib.gemv_head_bf16.restype = None
-    return lib
+    return native.load_op_kernel(
+        Path(__file__).with_name("gemv.cpp"), "gemv_available", dot_sizes,
+        ("gemv_bf16_f32(ptr, i64, ptr, i64, ptr, i64 x4)", "gemv_unrolled(i64) -> i64",
+         "gemv_screen_available() -> i64",
+         "gemv_head_bf16(ptr, i64, ptr, i64, ptr, i64 x4, ptr, i64, ptr, i64, ptr)"),
+    )  # fmt: skip
 
 
 # -- the screened head: greedy steps read an int8 copy of the LM head ----------------------

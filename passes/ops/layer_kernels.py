@@ -23,16 +23,12 @@ from passes.native_calls import NativeCall
 @functools.cache
 def _kernel(dot_sizes: tuple[int, ...] = ()) -> ctypes.CDLL | None:
     """`layer_kernels.cpp` built for this CPU, its products unrolled for `dot_sizes`."""
-    source = Path(__file__).with_name("layer_kernels.cpp")
-    lib = native.load_op_kernel(source, "layer_kernels_available", dot_sizes)
-    if lib is None:
-        return None
     # Every argument travels as an int64 (pointers too), the team size last.
-    for name, count in (("linear", 6), ("add_rms_norm", 8), ("silu_and_mul", 4),
-                        ("qkv_rope", 12)):  # fmt: skip
-        fn = getattr(lib, f"{name}_bf16")
-        fn.argtypes, fn.restype = [ctypes.c_int64] * (count + 1), None
-    return lib
+    return native.load_op_kernel(
+        Path(__file__).with_name("layer_kernels.cpp"), "layer_kernels_available", dot_sizes,
+        ("linear_bf16(i64 x7)", "add_rms_norm_bf16(i64 x9)", "silu_and_mul_bf16(i64 x5)",
+         "qkv_rope_bf16(i64 x13)"),
+    )  # fmt: skip
 
 
 def available() -> bool:

@@ -78,9 +78,7 @@ def shim_call() -> tuple[ctypes._CFuncPtr, torch.Tensor] | None:
         lib = native.load_library(_SOURCE, "onednn_shim", root, ["-O2", "-shared", "-fPIC"])
     except (OSError, AttributeError, native.KernelBuildError):
         return None
-    fn = lib.onednn_linear_into
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64]
-    fn.restype = None
+    fn = native.declare(lib, "onednn_linear_into(ptr x5, i64)").onednn_linear_into
     return fn, torch.tensor([*addresses, 0], dtype=torch.int64)
 
 

@@ -70,16 +70,11 @@ def has_amx() -> bool:
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
     """Our kernel's library where it builds here (AVX512-BF16), else None."""
-    lib = native.load_op_kernel(Path(__file__).with_name("packed_mm.cpp"), "packed_mm_available")
-    if lib is None:
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.packed_mm_numel.argtypes, lib.packed_mm_numel.restype = [i64, i64], i64
-    lib.packed_mm_pack.argtypes = [ptr, i64, i64, i64, ptr, i64]
-    lib.packed_mm_pack.restype = None
-    lib.packed_mm_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-    lib.packed_mm_bf16.restype = None
-    return lib
+    return native.load_op_kernel(
+        Path(__file__).with_name("packed_mm.cpp"), "packed_mm_available", (),
+        ("packed_mm_numel(i64, i64) -> i64", "packed_mm_pack(ptr, i64 x3, ptr, i64)",
+         "packed_mm_bf16(ptr, i64, ptr, ptr, ptr, i64 x5)"),
+    )  # fmt: skip
 
 
 def uses_own_kernel(dtype: torch.dtype) -> bool:

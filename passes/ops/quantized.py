@@ -153,21 +153,14 @@ def dequantized_dtype(match: object) -> torch.dtype | None:
 
 @functools.cache
 def _kernel() -> ctypes.CDLL | None:
-    lib = native.load_op_kernel(Path(__file__).with_name("quant_kernels.cpp"),
-                                "quant_kernels_available")  # fmt: skip
-    if lib is None:
-        return None
-    for name, count in (("q4_linear", 11), ("q8_linear", 10)):
-        for suffix, extra in (("team", 0), ("region", 1)):
-            fn = getattr(lib, f"{name}_{suffix}")
-            fn.argtypes, fn.restype = [ctypes.c_int64] * (count + extra), None
-    lib.quant_kernels_path.argtypes = [ctypes.c_int64] * 4
-    lib.quant_kernels_path.restype = ctypes.c_int64
-    lib.quant_kernels_int8_rows.restype = ctypes.c_int64
-    for name, count in (("dequantize_q4_region", 9), ("dequantize_q8_region", 8)):
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = [ctypes.c_int64] * count, None
-    return lib
+    # Every argument travels as an int64 (pointers too); a region's team size last.
+    return native.load_op_kernel(
+        Path(__file__).with_name("quant_kernels.cpp"), "quant_kernels_available", (),
+        ("q4_linear_team(i64 x11)", "q4_linear_region(i64 x12)", "q8_linear_team(i64 x10)",
+         "q8_linear_region(i64 x11)", "quant_kernels_path(i64 x4) -> i64",
+         "quant_kernels_int8_rows() -> i64", "dequantize_q4_region(i64 x9)",
+         "dequantize_q8_region(i64 x8)"),
+    )  # fmt: skip
 
 
 # Scale dtypes the kernel reads (uint8: Q4_K's compact scales; int8: Q6_K's), and their

@@ -13,7 +13,7 @@ import functools
 from pathlib import Path
 
 from compilecore.config import cache_root
-from passes.native import KernelBuildError, load_library
+from passes.native import KernelBuildError, declare, load_library
 
 __all__ = ["KernelBuildError", "load_cpu_kernels"]
 
@@ -30,17 +30,11 @@ def load_cpu_kernels(root: Path | None = None) -> ctypes.CDLL:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     for name in ("f32", "bf16"):
-        write = getattr(lib, f"write_kv_{name}")
-        write.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64]
-        write.restype = None
-        decode = getattr(lib, f"decode_{name}")
-        decode.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64] + [i64] * 5 + [f32, i64]
-        decode.restype = None
-    lib.decode_team_states.argtypes = [i64] * 4
-    lib.decode_team_states.restype = i64
-    lib.decode_parts.argtypes = [i64, i64, i64]
-    lib.decode_parts.restype = i64
-    lib.max_group_dims.restype = i64
-    lib.max_group.restype = i64
+        declare(
+            lib,
+            f"write_kv_{name}(ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64)",
+            f"decode_{name}(ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64 x6, f32, i64)",
+        )
+    declare(lib, "decode_team_states(i64 x4) -> i64", "decode_parts(i64 x3) -> i64",
+            "max_group_dims() -> i64", "max_group() -> i64")  # fmt: skip
