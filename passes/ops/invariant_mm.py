@@ -3,9 +3,11 @@ and however many there are: the product of batch-invariant mode (`passes/batch_i
 
 A library GEMM picks its kernel by the row count: on the EPYC Zen 3 of 2026-12-05 MKL's
 fp32 GEMM gives other bits for 1-3 rows, and for the last row of 5-7 and 9-11 rows, than
-for the same row among 16 (tests/test_batch_invariant.py measures it). Calling it only
-with whole tiles of `ROWS` rows (zero rows appended) keeps every row on the path a full
-tile takes; the zero rows cost nothing at decode, where the weight's bytes bound the time.
+for the same row among 16 (tests/test_batch_invariant.py measures it); on an AMX Xeon
+(2026-12-06) oneDNN's bf16 GEMM and MKL's fp32 one gave 16 rows other bits than the same
+rows among 48, one call over whole tiles. So every call takes exactly `ROWS` rows (zero
+rows appended, one call a tile): each row is computed by the same kernel whatever the
+batch; the zero rows cost nothing at decode, where the weight's bytes bound the time.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ def padded_rows(m: int) -> int:
 
 
 def invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    m = a.shape[0]
-    full = a.new_zeros(padded_rows(m), a.shape[1])
+    m, rows = a.shape[0], padded_rows(a.shape[0])
+    full = a.new_zeros(rows, a.shape[1])
     full[:m] = a  # contiguous whatever a's strides: one layout, one kernel
-    return torch.mm(full, b)[:m]
+    out = a.new_empty(rows, b.shape[1])
+    for i in range(0, rows, ROWS):
+        torch.mm(full[i : i + ROWS], b, out=out[i : i + ROWS])
+    return out[:m]
 
 
 # Row counts the start-up check compares with a full tile: short, odd and past one tile.
@@ -31,7 +36,7 @@ CHECKED_ROWS = (1, 2, 3, 5, 7, 11, 16, 17, 31)
 
 
 class NotBatchInvariant(RuntimeError):
-    """This machine's GEMM gives a row other bits beside other rows, even in whole tiles."""
+    """This machine's GEMM gives a row other bits beside other rows, even one tile a call."""
 
 
 def check_rows(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
@@ -47,7 +52,7 @@ def check_rows(k: int, n: int, dtype: torch.dtype, device: torch.device | str = 
         if not torch.equal(invariant_mm(a[:m], b), full[:m]):
             raise NotBatchInvariant(
                 f"batch_invariant: {m} rows of a [{k} x {n}] {dtype} product get other bits "
-                f"than the same rows among 48, even in whole tiles of {ROWS} rows: this "
+                f"than the same rows among 48, even called a tile of {ROWS} rows at a time: this "
                 "machine's GEMM cannot keep batch invariance (run without batch_invariant)"
             )
 
