@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
 TARGETS = {"README.md": ("cpu", "gpu"), "docs/performance.md": ("performance",)}
 MARKER = re.compile(r"(<!-- report:(\w+) -->\n)(.*?)(<!-- /report -->)", re.S)
 
@@ -86,11 +88,25 @@ def newest_gpu_report(results: Path = RESULTS) -> Path | None:
     return max(found, key=lambda p: p.name) if found else None
 
 
+# Reports before 2026-12-05 give decode's read rate as a share of a copy's rate, which counts
+# only the bytes a copy reads: "618 tok/s = 60% of copy (2126 GB/s)".
+OF_COPY = re.compile(r"(\d+)% of copy \((\d+) GB/s\)")
+
+
 def gpu_lines(path: Path) -> list[str]:
+    """The device report's decode row, with its read rate as a fraction of the part's
+    nominal HBM bandwidth (`gpu_check.NOMINAL_TB_S`)."""
+    from gpu_check import nominal_bandwidth  # the table the device check itself uses
+
     text = path.read_text()
     heading = text.splitlines()[0].lstrip("# ")
     row = next(ln for ln in text.splitlines() if ln.startswith("| decode_bandwidth |"))
     detail = row.strip("| ").split(" | ")[-1]
+    part, match = nominal_bandwidth(heading), OF_COPY.search(detail)
+    if part and match:
+        tb_s = int(match[1]) / 100 * int(match[2]) / 1000
+        detail += f"; read {tb_s:.2f} TB/s = {tb_s / part[1]:.0%} of the {part[0]}'s nominal "
+        detail += f"{part[1]} TB/s"
     return [f"GPU ({heading}; [{path.name}](benchmarks/results/{path.name})): {detail}."]
 
 

@@ -69,15 +69,24 @@ def reference_values(fmt, fields) -> torch.Tensor:
     return dequantize(*fields, torch.float32)
 
 
+def reads_blocks(engine_config: EngineConfig) -> bool:
+    """Whether this engine's quantized products read the blocks (our kernels, on CPU, the
+    `quantized_linear` pass on); the LM head's product follows the model's."""
+    cc = engine_config.compilation_config
+    return (
+        engine_config.device.type == "cpu"
+        and cc.mode != "none"
+        and cc.passes.resolved("cpu", native_passes_built())["quantized_linear"]
+    )
+
+
 def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
     """The quantized head's product where the model's quantized products are the
     compiler's (the `quantized_linear` pass off: `native_kernels=False`, or our kernels
     not built for this CPU): no native op, and one row fused, not the whole head
     dequantized every step."""
     cc = engine_config.compilation_config
-    if engine_config.device.type != "cpu" or cc.mode == "none":
-        return None
-    if cc.passes.resolved("cpu", native_passes_built())["quantized_linear"]:
+    if engine_config.device.type != "cpu" or cc.mode == "none" or reads_blocks(engine_config):
         return None
     # Q6_K's 6-bit values are q8's held in fewer bits: the q8 reduction unpacks them.
     small = {True: StaticShapeFunction(q4_logits_reduction, engine_config),
@@ -106,18 +115,14 @@ def invariant_quantized_head(x, fmt, fields, bias):
 def invariant_blocks_head(x, fmt, fields, bias):
     """Batch-invariant mode's quantized head where the model's products read the blocks:
     the same row products at every row count (the `invariant` argument)."""
-    return fmt.product(x, fields, bias, torch.float32, False, True)
+    return fmt.product(x, fields, bias, torch.float32, invariant=True)
 
 
 def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> None:
     """Give every `LogitsProcessor` of `model` this engine's LM head kernels."""
     cc = engine_config.compilation_config
     if cc.batch_invariant:  # one kernel for every row count
-        blocks = (
-            engine_config.device.type == "cpu"
-            and cc.mode != "none"
-            and cc.passes.resolved("cpu", native_passes_built())["quantized_linear"]
-        )
+        blocks = reads_blocks(engine_config)
         for module in model.modules():
             if isinstance(module, LogitsProcessor):
                 module.small_batch_gemv, module.linear = None, invariant_linear
@@ -129,12 +134,7 @@ def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> Non
     small, batched = small_batch_lm_head(engine_config), batched_lm_head(engine_config)
     # As the quantized_linear pass gives the model's q8 products (eager stays exact: the
     # reference for compiled).
-    device = engine_config.device.type
-    int8 = (
-        cc.mode != "none"
-        and cc.passes.int8_x(device)
-        and cc.passes.resolved(device, native_passes_built())["quantized_linear"]
-    )
+    int8 = cc.passes.int8_x(engine_config.device.type) and reads_blocks(engine_config)
     quantized_head = compiled_quantized_head(engine_config)
     for module in model.modules():
         if isinstance(module, LogitsProcessor):

@@ -505,10 +505,10 @@ class ModelRunner:
         replayed = logits.clone()
         new_ids = not torch.equal(self.input_ids[:n], self._unchecked[n])
         want = self._execute(pad_decode_plan(plan, n), None)
-        if new_ids:
+        same = torch.equal(replayed, want)
+        if new_ids or not same:
             del self._unchecked[n]
-        if not torch.equal(replayed, want):
-            self._unchecked.pop(n, None)
+        if not same:
             logger.warning(
                 "CPU graph for %d tokens: its first replay differs from the step run piece "
                 "by piece (a kernel that torch %s ran outside the recorded calls?); not used",

@@ -23,6 +23,7 @@ from runtime.attention.triton_paged import (
     triton_usable,
 )
 from runtime.huge_pages import pack_parameters
+from runtime.lm_head import reads_blocks
 from runtime.model_runner import ModelRunner, StepPlan
 
 logger = logging.getLogger("compilecore")
@@ -135,23 +136,12 @@ def check_invariant_products(model: nn.Module, engine_config: EngineConfig) -> N
         check_invariant_blocks(model, engine_config)
 
 
-def reads_blocks(engine_config: EngineConfig) -> bool:
-    """Whether this engine's quantized products read the blocks (our kernels, on CPU)."""
-    from passes.manager import native_passes_built
-
-    cc = engine_config.compilation_config
-    return (
-        engine_config.device.type == "cpu"
-        and cc.mode != "none"
-        and cc.passes.resolved("cpu", native_passes_built())["quantized_linear"]
-    )
-
-
 def check_invariant_blocks(model: nn.Module, engine_config: EngineConfig) -> None:
     """Where the quantized products read the blocks in batch-invariant mode (the
     `invariant` argument: the row products at every row count), each format and shape of
     `model`, on its own weights, must give the first m rows the bits they get among 48."""
     from models.layers.quantization import formats_held, quant_fields
+    from passes.ops import quantized
     from passes.ops.invariant_mm import CHECKED_ROWS, NotBatchInvariant
 
     seen = set()
@@ -163,8 +153,8 @@ def check_invariant_blocks(model: nn.Module, engine_config: EngineConfig) -> Non
             if key in seen:
                 continue
             seen.add(key)
-            k = fields[0].shape[-1] * 8 // fmt.bits if fields[0].dtype != torch.int8 else (
-                fields[0].shape[-1])  # fmt: skip
+            w = fields[0]
+            k = w.shape[-1] * 2 if fmt.bits == 4 else quantized.q8_columns(w)
             x = torch.randn(48, k, generator=g).to(engine_config.model_config.dtype)
             full = fmt.product(x, fields, invariant=True)
             for m in CHECKED_ROWS:
