@@ -382,13 +382,13 @@ class EngineConfig:
             (cc.mode != "piecewise", f"mode={cc.mode!r}", "needs mode='piecewise' (a pass)"),
             (bool(cc.compile_sizes), f"compile_sizes={cc.compile_sizes}",
              "keeps one code for every size"),
-            (cache.attention_backend not in ("auto", "torch"),
-             f"attention_backend={cache.attention_backend!r}", "needs 'torch' (or 'auto')"),
+            (cache.attention_backend not in ("auto", "torch", "cpu"),
+             f"attention_backend={cache.attention_backend!r}", "needs 'cpu' or 'torch'"),
         ]  # fmt: skip
         for bad, setting, why in wrong:
             if bad:
                 raise ValueError(f"batch_invariant {why}: {setting} cannot be used with it")
-        cc.compile_sizes, cache.attention_backend = [], "torch"
+        cc.compile_sizes = []
         # A hit skips rows a run without it computes in another chunk: none are taken.
         cache.enable_prefix_caching = False
         # Decodes come first in a step: a chunk this long always fits beside them.

@@ -25,8 +25,7 @@ from compilecore.compiled_function import StaticShapeFunction
 from compilecore.config import EngineConfig
 from models.layers.logits_processor import LogitsProcessor
 from passes.manager import native_passes_built
-from passes.ops import gemv, packed_linear, quantized
-from passes.ops.invariant_mm import invariant_mm
+from passes.ops import gemv, invariant_mm, packed_linear, quantized
 
 
 def batched_lm_head(engine_config: EngineConfig) -> Callable | None:
@@ -101,14 +100,14 @@ def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
 
 
 def invariant_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return invariant_mm(x, w.t())
+    return invariant_mm.invariant_mm_op(x, w.t())
 
 
 def invariant_quantized_head(x, fmt, fields, bias):
     """Batch-invariant mode's quantized head where our quantized kernels do not run: the
     reference dequantization, then the one product kernel for every row count
     (passes/ops/invariant_mm.py)."""
-    logits = invariant_mm(x.float(), reference_values(fmt, fields).t())
+    logits = invariant_mm.invariant_mm_op(x.float(), reference_values(fmt, fields).t())
     return logits if bias is None else logits + bias
 
 

@@ -240,7 +240,7 @@ class ModelRunner:
         )
         sizes = cc.cpu_graph_sizes
         if sizes is None:  # decode batches record from the symbolic-size code too
-            sizes = [*(cc.compile_sizes or []), *range(2, CPU_GRAPH_MAX_BATCH + 1),
+            sizes = [*(cc.compile_sizes or []), *range(1, CPU_GRAPH_MAX_BATCH + 1),
                      *CPU_GRAPH_LARGE_SIZES]  # fmt: skip
         self.cpu_graph_sizes = set(sizes) if cpu_graphs else set()
         self.cpu_graph_order = sorted(self.cpu_graph_sizes)

@@ -42,14 +42,23 @@ def select_attention_backend(
     """Triton on CUDA, the C++ kernels on CPU (torch if they cannot be built), unless the
     config or the environment forces one. `num_splits` forces the Triton backend's
     split-KV decode and is refused by the others, which have none. `batch_invariant`:
-    the torch backend, one sequence at a time."""
+    the C++ kernels with splits from each sequence's own length (the torch backend, one
+    sequence at a time, where they cannot be built or the config asks for it)."""
     choice = os.environ.get("COMPILECORE_ATTENTION_BACKEND", requested)
     if choice not in BACKENDS:
         raise ValueError(f"unknown attention backend {choice!r}; use one of {', '.join(BACKENDS)}")
     if batch_invariant:
-        if choice not in ("auto", "torch"):
-            raise ValueError(f"batch_invariant needs the torch attention backend, not {choice!r}"
-                             " (COMPILECORE_ATTENTION_BACKEND or attention_backend)")  # fmt: skip
+        if choice not in ("auto", "torch", "cpu"):
+            raise ValueError(
+                f"batch_invariant needs the cpu or torch attention backend, not {choice!r} "
+                "(COMPILECORE_ATTENTION_BACKEND or attention_backend)"
+            )
+        if choice != "torch" and device.type == "cpu" and cpu_kernels_usable(cache_dir):
+            logger.info("attention backend: cpu (batch-invariant splits)")
+            return CpuPagedAttentionBackend(cache_dir=cache_dir, invariant=True)
+        if choice == "cpu":
+            raise ValueError("the cpu attention backend's kernels cannot be built here; "
+                             "use attention_backend='torch'")  # fmt: skip
         return TorchPagedAttentionBackend(per_sequence=True)
     if choice == "auto":
         if device.type == "cuda" and triton_usable(device):

@@ -113,6 +113,38 @@ def test_any_mixture_of_requests_gives_each_its_result_alone(invariant_llm, mixt
         assert _result(out) == alone[i, kind], (i, kind)
 
 
+def test_decode_steps_in_the_mode_replay_cpu_graphs(invariant_llm):
+    """The mode's products (`invariant_mm` through AOTInductor's shim) and attention (the
+    C++ kernels with each sequence's own splits) are recordable: batched decode steps
+    replay CPU graphs, and the mixture test above holds across graphs and pieces."""
+    from compilecore.counters import compilation_counter
+
+    llm, alone = invariant_llm
+    replays = compilation_counter.num_cpu_graph_replays
+    outs = llm.generate(_prompts()[:4], _params(0), use_tqdm=False)
+    assert compilation_counter.num_cpu_graph_replays > replays
+    assert [_result(out) for out in outs] == [alone[i, 0] for i in range(4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_the_recorded_tiles_write_the_ops_bits(dtype, m):
+    """`invariant_mm`'s declared call (made at capture, in inference mode) writes, when a
+    replay runs it outside inference mode, exactly the op's own result."""
+    from passes.native_calls import native_entry
+
+    g = torch.Generator().manual_seed(m)
+    a = torch.randn(m, 96, generator=g).to(dtype)
+    b = torch.randn(160, 96, generator=g).to(dtype).t()  # a weight's transpose, as linear
+    with torch.inference_mode():
+        out = torch.ops.compilecore.invariant_mm(a, b)
+        want = out.clone()
+        call = native_entry("compilecore::invariant_mm")((a, b), out)
+        out.fill_(float("nan"))
+    call.run()
+    assert torch.equal(out, want)
+
+
 def test_preempted_requests_recompute_their_own_bits(invariant_llm, tiny_llama, tmp_path):
     """A KV cache of 8 blocks (128 tokens) for 8 requests: requests are preempted after
     generating and recomputed (prompt in its own chunks, then the generated tokens as rows
@@ -165,8 +197,8 @@ def test_the_mode_is_set_by_vllms_variable_and_refuses_what_it_cannot_keep(monke
     [
         ({"compilation_config": {"batch_invariant": True, "compile_sizes": [1]}}, "compile_sizes"),
         ({"compilation_config": {"batch_invariant": True, "mode": "none"}}, "mode='none'"),
-        ({"compilation_config": {"batch_invariant": True}, "attention_backend": "cpu"},
-         "attention_backend='cpu'"),
+        ({"compilation_config": {"batch_invariant": True}, "attention_backend": "triton"},
+         "attention_backend='triton'"),
     ],
 )  # fmt: skip
 def test_settings_the_mode_cannot_keep_are_errors_naming_them(tiny_llama, setting, named):
@@ -310,16 +342,27 @@ def test_quantized_models_read_the_blocks_and_keep_each_requests_bits(invariant_
     every step) and every request's tokens and logprobs are still its own alone, in
     mixtures and orders hypothesis would draw (a few fixed ones: each costs a compile-free
     run)."""
+    from compilecore.counters import compilation_counter
     from tests.helpers import native_quantized_products
 
     llm, alone = invariant_gguf
+    replays = compilation_counter.num_cpu_graph_replays
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        llm.generate([_prompts()[0]], _params(0), use_tqdm=False)
+        llm.generate([_prompts()[2]], _params(0), use_tqdm=False)
+    replays = compilation_counter.num_cpu_graph_replays - replays
     calls = {e.key: e.count for e in prof.key_averages()}
     steps = _params(0).max_tokens  # one prefill chunk, then a decode a token
     products = calls.get("compilecore::q4_linear", 0) + calls.get("compilecore::q8_linear", 0)
+    # Decode steps replay a CPU graph (its batch-1 graph captured by the fixture's runs),
+    # which holds the same products' calls.
+    graph = llm.llm_engine.runner.cpu_graphs.get(1)
+    recorded = sum(what in ("compilecore.q4_linear", "compilecore.q8_linear")
+                   for what, _, _ in graph.described) if graph else 0  # fmt: skip
     # 4 a layer, and layer 1's QKV held per part (q and k Q4_1, v Q8_0): two more
-    assert products == (10 * steps if native_quantized_products() else 0)
+    if native_quantized_products():
+        assert (products, recorded, replays) == (10, 10, steps - 1)
+    else:
+        assert products == recorded == 0
     for mixture in ([(0, 0), (3, 1), (5, 2), (1, 0)], [(4, 2), (4, 0), (2, 1), (0, 2), (5, 0),
                                                       (1, 1), (3, 0), (2, 2)]):  # fmt: skip
         prompts = [_prompts()[i] for i, _ in mixture]

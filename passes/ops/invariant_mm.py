@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from passes import native_calls
+from passes.ops import onednn_shim
+
 ROWS = 16
 
 
@@ -61,7 +64,25 @@ def _fake_invariant_mm(a, b):
     return a.new_empty(a.shape[0], b.shape[1])
 
 
+def _native_call(args: tuple, out: torch.Tensor) -> native_calls.NativeCall | tuple:
+    """The op's tiles as a C call for a CPU graph: the same library GEMM, one tile a call,
+    through AOTInductor's shim (the op itself calls it through torch)."""
+    a, b = args
+    if not a.shape[0]:
+        return ()
+    if not a.is_contiguous() or out.stride() != (b.shape[1], 1):
+        raise native_calls.Unrecordable("compilecore.invariant_mm on strided rows")
+    call = onednn_shim.tiles_mm_call(a, b, out, padded_rows(a.shape[0]), ROWS)
+    if call is None:
+        raise native_calls.Unrecordable("compilecore.invariant_mm (no AOTInductor shim)")
+    return call
+
+
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("invariant_mm(Tensor a, Tensor b) -> Tensor")
 _LIB.impl("invariant_mm", invariant_mm, "CompositeExplicitAutograd")
 torch.library.register_fake("compilecore::invariant_mm", _fake_invariant_mm, lib=_LIB)
+native_calls.declare_entry("compilecore::invariant_mm", _native_call)
+# The op, as callers outside a compiled graph use it: a CPU graph records the op's declared
+# call (the Python function above it cannot be recorded).
+invariant_mm_op = torch.ops.compilecore.invariant_mm

@@ -34,7 +34,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         declare(
             lib,
             f"write_kv_{name}(ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64)",
-            f"decode_{name}(ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64 x6, f32, i64)",
+            f"decode_{name}(ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64 x6, f32, i64 x2)",
         )
     declare(lib, "decode_team_states(i64 x4) -> i64", "decode_parts(i64 x3) -> i64",
             "max_group_dims() -> i64", "max_group() -> i64")  # fmt: skip

@@ -332,14 +332,25 @@ inline int64_t num_parts(int64_t pairs, int64_t longest_len, int64_t num_threads
   return std::min({want, most, kMaxParts});
 }
 
+// Batch-invariant mode (max_parts > 0): a sequence's parts depend on its own length only,
+// at most max_parts (the engine's threads), so its bits never depend on the batch
+// (tests/test_batch_invariant.py). 0: every sequence gets the batch's `parts`.
+inline int64_t parts_of(int64_t parts, int64_t max_parts, int64_t len) {
+  if (max_parts <= 0) return parts;
+  return std::clamp<int64_t>(len / kMinPartTokens, 1, std::min(max_parts, kMaxParts));
+}
+
 template <typename T>
 void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
             const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens, T* out,
             int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-            int64_t head_size, int64_t block_size, float scale, int64_t num_threads) {
+            int64_t head_size, int64_t block_size, float scale, int64_t num_threads,
+            int64_t max_parts) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t parts = num_parts(num_seqs * num_kv_heads, longest(seq_lens, num_seqs),
-                                  num_threads);
+  // Parts slots a (sequence, KV head) pair has; its own count may be fewer.
+  const int64_t parts = max_parts > 0 ? std::min(max_parts, kMaxParts)
+                                      : num_parts(num_seqs * num_kv_heads,
+                                                  longest(seq_lens, num_seqs), num_threads);
   const int64_t size = state_size(group, head_size);
   // Parts' states live until the merge (in the calling thread's buffer, kept between
   // calls: this runs once a layer every step); one part's state stays on the task's stack.
@@ -353,19 +364,23 @@ void decode(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t p = 0; p < parts; ++p) {
         const int64_t first = h * group * head_size, len = seq_lens[s];
+        const int64_t own = parts_of(parts, max_parts, len);
+        if (p >= own) continue;
         float local[kMaxGroupDims + 2 * kMaxGroup];
-        float* state = parts > 1 ? states + ((s * num_kv_heads + h) * parts + p) * size : local;
+        float* state = own > 1 ? states + ((s * num_kv_heads + h) * parts + p) * size : local;
         decode_task(q + s * q_stride + first, k_cache, v_cache, block_table + s * bt_stride,
-                    len * p / parts, len * (p + 1) / parts, state, group, num_kv_heads, h,
+                    len * p / own, len * (p + 1) / own, state, group, num_kv_heads, h,
                     head_size, block_size, scale);
-        if (parts == 1) finish(state, 1, group, head_size, out + s * out_stride + first);
+        if (own == 1) finish(state, 1, group, head_size, out + s * out_stride + first);
       }
     }
   }
-  for (int64_t s = 0; parts > 1 && s < num_seqs; ++s)
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      finish(states + (s * num_kv_heads + h) * parts * size, parts, group, head_size,
+  for (int64_t s = 0; parts > 1 && s < num_seqs; ++s) {
+    const int64_t own = parts_of(parts, max_parts, seq_lens[s]);
+    for (int64_t h = 0; own > 1 && h < num_kv_heads; ++h)
+      finish(states + (s * num_kv_heads + h) * parts * size, own, group, head_size,
              out + s * out_stride + h * group * head_size);
+  }
 }
 
 // The KV write and decode on the calling thread's share of an OpenMP team that a CPU
@@ -409,35 +424,42 @@ template <typename T>
 void decode_team(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
                  const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens, T* out,
                  int64_t out_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                 int64_t head_size, int64_t block_size, float scale, float* states) {
+                 int64_t head_size, int64_t block_size, float scale, float* states,
+                 int64_t max_parts) {
   const int64_t group = num_heads / num_kv_heads, pairs = num_seqs * num_kv_heads;
   const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-  const int64_t parts = num_parts(pairs, longest(seq_lens, num_seqs), threads);
+  const int64_t parts = max_parts > 0 ? std::min(max_parts, kMaxParts)
+                                      : num_parts(pairs, longest(seq_lens, num_seqs), threads);
   const int64_t size = state_size(group, head_size);
   // Tasks are dealt round robin (not taken dynamically), so a thread knows its tasks before
   // it starts. One sequence split into one part per thread (batch 1): this thread's tasks
   // are part `me` of every KV head, one token range, whose rows it loads in memory order.
-  if (num_seqs == 1 && parts == threads) {
+  if (num_seqs == 1 && parts_of(parts, max_parts, seq_lens[0]) == threads) {
     const int64_t len = seq_lens[0];
-    load_rows(k_cache, v_cache, block_table, len * me / parts, len * (me + 1) / parts,
+    load_rows(k_cache, v_cache, block_table, len * me / threads, len * (me + 1) / threads,
               num_kv_heads * head_size, block_size);
   }
 #pragma omp for schedule(static, 1)
   for (int64_t task = 0; task < pairs * parts; ++task) {
     const int64_t s = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
     const int64_t p = task % parts, first = h * group * head_size, len = seq_lens[s];
+    const int64_t own = parts_of(parts, max_parts, len);
+    if (p >= own) continue;
     float local[kMaxGroupDims + 2 * kMaxGroup];
-    float* state = parts > 1 ? states + task * size : local;
+    float* state = own > 1 ? states + task * size : local;
     decode_task(q + s * q_stride + first, k_cache, v_cache, block_table + s * bt_stride,
-                len * p / parts, len * (p + 1) / parts, state, group, num_kv_heads, h,
+                len * p / own, len * (p + 1) / own, state, group, num_kv_heads, h,
                 head_size, block_size, scale);
-    if (parts == 1) finish(state, 1, group, head_size, out + s * out_stride + first);
+    if (own == 1) finish(state, 1, group, head_size, out + s * out_stride + first);
   }
   if (parts == 1) return;
 #pragma omp for nowait
-  for (int64_t pair = 0; pair < pairs; ++pair)
-    finish(states + pair * parts * size, parts, group, head_size,
-           out + pair / num_kv_heads * out_stride + pair % num_kv_heads * group * head_size);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t own = parts_of(parts, max_parts, seq_lens[pair / num_kv_heads]);
+    if (own > 1)
+      finish(states + pair * parts * size, own, group, head_size,
+             out + pair / num_kv_heads * out_stride + pair % num_kv_heads * group * head_size);
+  }
 }
 
 }  // namespace
@@ -466,10 +488,10 @@ int64_t decode_team_states(int64_t num_seqs, int64_t num_heads, int64_t num_kv_h
                      const int32_t* block_table, int64_t bt_stride, const int32_t* seq_lens, \
                      T* out, int64_t out_stride, int64_t num_seqs, int64_t num_heads,      \
                      int64_t num_kv_heads, int64_t head_size, int64_t block_size,          \
-                     float scale, int64_t num_threads) {                                   \
+                     float scale, int64_t num_threads, int64_t max_parts) {                \
     decode(q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out,           \
            out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size, scale,    \
-           num_threads);                                                                   \
+           num_threads, max_parts);                                                        \
   }                                                                                        \
   /* Team functions (see write_kv_team): called on every thread of a replay's region. */   \
   void write_kv_team_##NAME(const T* k, int64_t k_stride, const T* v, int64_t v_stride,   \
@@ -482,10 +504,10 @@ int64_t decode_team_states(int64_t num_seqs, int64_t num_heads, int64_t num_kv_h
                           const int32_t* seq_lens, T* out, int64_t out_stride,             \
                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,       \
                           int64_t head_size, int64_t block_size, const float* scale,       \
-                          float* states) {                                                 \
+                          float* states, int64_t max_parts) {                              \
     decode_team(q, q_stride, k_cache, v_cache, block_table, bt_stride, seq_lens, out,      \
                 out_stride, num_seqs, num_heads, num_kv_heads, head_size, block_size,      \
-                *scale, states);                                                           \
+                *scale, states, max_parts);                                                \
   }
 
 COMPILECORE_KERNELS(f32, float)

@@ -19,7 +19,12 @@ from passes import native_calls
 from passes.native_calls import NativeCall
 from runtime.attention.cpu_build import load_cpu_kernels
 from runtime.attention.metadata import AttentionMetadata
-from runtime.attention.torch_paged import TorchPagedAttentionBackend, _plan, _StepPlan
+from runtime.attention.torch_paged import (
+    ROWS_AS_DECODES,
+    TorchPagedAttentionBackend,
+    _plan,
+    _StepPlan,
+)
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Below this many (sequence, KV head, token) triples, one thread beats waking the pool.
@@ -53,11 +58,22 @@ class _Bound:
 
 
 class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
+    """`invariant` (batch-invariant mode): a sequence's split-KV parts depend on its own
+    length only, and each row of a query of at most ROWS_AS_DECODES tokens attends in the
+    call a decode at its position makes, so no row's bits depend on the batch
+    (tests/test_batch_invariant.py)."""
+
     name = "cpu"
 
-    def __init__(self, num_threads: int | None = None, cache_dir: Path | None = None):
+    def __init__(
+        self, num_threads: int | None = None, cache_dir: Path | None = None, invariant=False
+    ):
         self.lib = load_cpu_kernels(cache_dir)
         self.num_threads = num_threads or torch.get_num_threads()
+        self.invariant = invariant
+        # The kernels' rule for parts: 0 picks them for the batch; n > 0, at most n for
+        # each sequence, from its length.
+        self.max_parts = self.num_threads if invariant else 0
         self._bound: dict[int, _Bound | None] = {}
 
     def supports(self, layer, kv_cache: torch.Tensor) -> bool:
@@ -113,12 +129,13 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             k, v = _rows(k), _rows(v)  # row r of k[:n] is row r of k: no slicing needed
             bound.write(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), bound.k_cache,
                         bound.v_cache, step.slots, step.num_tokens, bound.row)  # fmt: skip
-        if step.num_decodes:
-            q = _rows(q)
-            bound.decode(q.data_ptr(), q.stride(0), bound.k_cache, bound.v_cache,
-                         step.block_table, step.block_table_stride, step.seq_lens,
-                         output.data_ptr(), output.stride(0), step.num_decodes, *bound.shape,
-                         step.threads)  # fmt: skip
+        q = _rows(q)
+        for run in step.runs:
+            bound.decode(q[run.first].data_ptr(), q.stride(0), bound.k_cache, bound.v_cache,
+                         run.block_table.data_ptr(), run.block_table.stride(0),
+                         run.seq_lens.data_ptr(), output[run.first].data_ptr(),
+                         output.stride(0), run.num_rows, *bound.shape, step.threads,
+                         self.max_parts)  # fmt: skip
         if step.prefill is not None:
             self._prefill(layer, q, bound.cache, output, step.prefill)
 
@@ -136,6 +153,8 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         rows = {name: _rows(t) for name, t in (("q", q), ("k", k), ("v", v))}
         if step.prefill is not None:
             raise native_calls.Unrecordable("CPU attention: prefill chunks run in Python")
+        if [run.first for run in step.runs] not in ([], [0]):
+            raise native_calls.Unrecordable("CPU attention: rows attend as decodes per query")
         if any(rows[n].data_ptr() != t.data_ptr() for n, t in (("q", q), ("k", k), ("v", v))):
             raise native_calls.Unrecordable("CPU attention: q/k/v rows are copied per call")
         q, k, v = rows["q"], rows["k"], rows["v"]
@@ -147,40 +166,80 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                  step.keep[0], step.num_tokens, bound.row),
                 "CPU attention (KV write)", team, None,
             ))  # fmt: skip
-        if step.num_decodes:
+        for run in step.runs:
             # Split-KV parts' softmax states, until their merge: the layers run one after
             # another, so the step's layers share one buffer.
-            size = self.lib.decode_team_states(step.num_decodes, *bound.shape[:3])
+            size = self.lib.decode_team_states(run.num_rows, *bound.shape[:3])
             if step.states is None or step.states.numel() < size:
                 step.states = torch.empty(size)
             calls.append(NativeCall(
                 address(bound.team_decode),
-                (q, q.stride(0), bound.k_cache, bound.v_cache, step.keep[1],
-                 step.block_table_stride, step.keep[2], output, output.stride(0),
-                 step.num_decodes, *bound.shape[:4], bound.scale, step.states),
+                (q, q.stride(0), bound.k_cache, bound.v_cache, run.block_table,
+                 run.block_table.stride(0), run.seq_lens, output, output.stride(0),
+                 run.num_rows, *bound.shape[:4], bound.scale, step.states, self.max_parts),
                 "CPU attention (decode)", team, None,
             ))  # fmt: skip
         return tuple(calls)
 
     def _step(self, meta: AttentionMetadata, layer, kv_cache: torch.Tensor) -> _Step:
         """What every layer of a step passes the kernels (worked out on the first layer)."""
-        nd = meta.num_decodes
         slots = meta.slot_mapping[: meta.num_actual_tokens].contiguous()
-        block_table = meta.block_table[:nd].contiguous()
-        seq_lens = meta.seq_lens[:nd].contiguous()
-        work = nd * layer.num_kv_heads * meta.max_seq_len
-        has_prefill = meta.num_seqs > nd
+        runs = self._runs(meta)
+        rows = sum(run.num_rows for run in runs)
+        work = rows * layer.num_kv_heads * meta.max_seq_len
+        prefill = None
+        if meta.num_seqs > meta.num_decodes:
+            prefill = _plan(meta, kv_cache.shape[2], decode=False)
+            if self.invariant:  # the short queries' rows attend as decodes (runs)
+                prefill.prefill = [p for p in prefill.prefill if p[1] - p[0] > ROWS_AS_DECODES]
+            prefill = prefill if prefill.prefill else None
         return _Step(
-            keep=(slots, block_table, seq_lens),
+            keep=(slots,),
             num_tokens=meta.num_actual_tokens,
             slots=slots.data_ptr(),
-            num_decodes=nd,
-            block_table=block_table.data_ptr(),
-            block_table_stride=block_table.stride(0),
-            seq_lens=seq_lens.data_ptr(),
+            runs=runs,
             threads=self.num_threads if work >= PARALLEL_MIN_WORK else 1,
-            prefill=_plan(meta, kv_cache.shape[2], decode=False) if has_prefill else None,
+            prefill=prefill,
         )
+
+    def _runs(self, meta: AttentionMetadata) -> list[_Run]:
+        """The decode kernel's calls: the step's decodes (views of the metadata's buffers,
+        which a CPU graph's replay reads again); in batch-invariant mode also each row of a
+        short query, as the decode at its position (contiguous rows share a call)."""
+        nd = meta.num_decodes
+        decodes = [_Run(0, meta.block_table[:nd].contiguous(), meta.seq_lens[:nd].contiguous())]
+        short = [i for i in range(nd, meta.num_seqs)
+                 if meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
+                 <= ROWS_AS_DECODES] if self.invariant else []  # fmt: skip
+        if not short:
+            return decodes if nd else []
+        rows = [(r, r, int(meta.seq_lens_cpu[r])) for r in range(nd)]  # (row, sequence, keys)
+        for i in short:
+            s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+            rows += [(r, i, int(meta.seq_lens_cpu[i]) - (e - 1 - r)) for r in range(s, e)]
+        runs, start = [], 0
+        for j in range(1, len(rows) + 1):
+            if j == len(rows) or rows[j][0] != rows[j - 1][0] + 1:
+                part = rows[start:j]
+                index = torch.tensor([i for _, i, _ in part], device=meta.block_table.device)
+                lens = torch.tensor([n for _, _, n in part], dtype=torch.int32)
+                runs.append(_Run(part[0][0], meta.block_table.index_select(0, index), lens))
+                start = j
+        return runs
+
+
+@dataclass
+class _Run:
+    """Consecutive query rows that attend as decodes: row `first + j` over the keys of
+    block-table row j, `seq_lens[j]` of them."""
+
+    first: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_lens.shape[0]
 
 
 @dataclass
@@ -188,10 +247,7 @@ class _Step:
     keep: tuple[torch.Tensor, ...]  # owns the memory behind the pointers below
     num_tokens: int
     slots: int
-    num_decodes: int
-    block_table: int
-    block_table_stride: int
-    seq_lens: int
+    runs: list[_Run]
     threads: int
     prefill: _StepPlan | None
     states: torch.Tensor | None = None  # a CPU graph's split-KV states (see _record)
