@@ -19,10 +19,11 @@ capture runs the forward once with
 and the replay calls the recorded functions in order from C: no Python between kernels.
 (Inductor's `cpp_wrapper` calls its kernels from C, out of sight: the config switches CPU
 graphs off with it; its per-piece C++ ran no faster than the Python wrapper, NOTES 48.)
-An op may declare a team function (`NativeCall(team=n)`): the replay opens one
-OpenMP team of n threads for each run of such calls and calls every function of the run on
-every thread, a barrier between calls. At batch 1 the layer ops and the attention between
-them are team functions, so the step's middle is one parallel region, not ~90.
+An op may declare a team function (`NativeCall(team=n)`): a pass over the recording
+(`cpu_graph_regions.py`) puts each run of such calls in one OpenMP parallel region of n
+threads, a barrier between calls, and the replay runs the regions it formed. At batch 1 the
+layer ops and the attention between them are team functions, so the step's middle is one
+parallel region, not ~90.
 
 Unfused (one decode step at batch 1, SmolLM2: ~130 Python-level calls):
 
@@ -42,11 +43,12 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from compilecore.cpu_graph_regions import Region, form_regions, region_stats
 from passes import native_calls
 from passes.native import declare, load_library
 
@@ -77,11 +79,11 @@ def _executor_source() -> str:
         cases.append(f"    case {n}: reinterpret_cast<void (*)({params})>(fn)({args}); break;")
     body = "\n".join(cases)
     # Every recorded argument is a pointer or an int64: both travel in the same registers
-    # (and stack slots) in the x86-64 and AArch64 C calling conventions. A call's header
-    # holds its argument count and, above bit 16, its team size (0: a plain call).
+    # (and stack slots) in the x86-64 and AArch64 C calling conventions. The program is
+    # regions (`cpu_graph_regions.py`), each [team, calls, words], then its calls; a call's
+    # header holds its argument count and, above bit 16, whether a barrier follows it.
     return f"""#include <cstdint>
 typedef int64_t i64;
-static inline i64 team_of(const i64* p) {{ return p[0] >> 16; }}
 static inline void call(const i64* p) {{
   void* fn = reinterpret_cast<void*>(p[1]);
   const i64* a = p + 2;
@@ -90,36 +92,25 @@ static inline void call(const i64* p) {{
   }}
 }}
 static inline const i64* next(const i64* p) {{ return p + 2 + (p[0] & 0xffff); }}
-extern "C" void run_program(const i64* p, i64 num_calls) {{
-  for (i64 i = 0; i < num_calls;) {{
-    const i64 team = team_of(p);
+extern "C" void run_program(const i64* p, i64 num_regions) {{
+  for (i64 r = 0; r < num_regions; ++r) {{
+    const i64 team = p[0], num_calls = p[1];
+    const i64* calls = p + 3;
     if (team == 0) {{
-      call(p);
-      p = next(p);
-      ++i;
-      continue;
-    }}
-    // A run of team calls with the same team size: one parallel region, every thread
-    // calls each function in turn, a barrier between calls (each reads what the last wrote).
-    i64 end = i;
-    const i64* q = p;
-    while (end < num_calls && team_of(q) == team) {{
-      q = next(q);
-      ++end;
-    }}
+      for (i64 c = 0; c < num_calls; ++c, calls = next(calls)) call(calls);
+    }} else {{
 #pragma omp parallel num_threads(team)
-    {{
-      const i64* r = p;
-      for (i64 c = i; c < end; ++c) {{
-        if (c > i) {{
+      {{
+        const i64* q = calls;
+        for (i64 c = 0; c < num_calls; ++c, q = next(q)) {{
+          call(q);
+          if (q[0] >> 16) {{
 #pragma omp barrier
+          }}
         }}
-        call(r);
-        r = next(r);
       }}
     }}
-    p = q;
-    i = end;
+    p += 3 + p[2];
   }}
 }}
 """
@@ -135,7 +126,7 @@ def _executor(root: Path) -> Any:
 class _Capture:
     def __init__(self) -> None:
         self.calls: list[tuple[int, list[int], int]] = []
-        self.described: list[tuple[str, int, list[str]]] = []  # (what, team, argument shapes)
+        self.described: list[CallInfo] = []
         self.keep: list[Any] = []
         self.checks: list[Callable[[], str | None]] = []
         self.failure: str | None = None
@@ -148,6 +139,7 @@ class _Capture:
         keep: Sequence[Any] = (),
         check: Callable[[], str | None] | None = None,
         team: int = 0,
+        source: str = "",
     ) -> None:
         self.keep.extend(keep)
         if check is not None and check not in self.checks:
@@ -166,10 +158,21 @@ class _Capture:
             self.fail(f"{what} takes {len(values)} arguments (at most {MAX_ARGS})")
         self.calls.append((address, values, team))
         shapes = [_shape(a) for a in args if isinstance(a, torch.Tensor)]
-        self.described.append((what, team, shapes))
+        self.described.append(CallInfo(what, team, shapes, source or what))
 
     def fail(self, reason: str) -> None:
         self.failure = self.failure or reason
+
+
+class CallInfo(NamedTuple):
+    """A recorded call, for readers: what recorded it, its team size (0: plain), its
+    tensor arguments' shapes and where in the forward it came from (the op and its string
+    arguments, or the Inductor kernel's name in its wrapper module)."""
+
+    what: str
+    team: int
+    shapes: list[str]
+    source: str
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -198,8 +201,16 @@ def kernel_call(kernel: Any, *args: Any) -> Any:
         if capture is not None and _is_inductor_kernel(kernel):
             path = kernel.__self__.__file__
             what = f"Inductor kernel {Path(path).stem[:12]}"
-            capture.record(_kernel_address(path), args, what)
+            capture.record(_kernel_address(path), args, what, source=_kernel_name(kernel))
     return kernel(*args)
+
+
+def _kernel_name(kernel: Any) -> str:
+    """The name the wrapper module that called `kernel` gives it (Inductor's
+    `cpp_fused_...`), and that module's file; capture time only."""
+    frame = sys._getframe(2)  # kernel_call's caller: the wrapper's `call`
+    name = next((k for k, v in frame.f_globals.items() if v is kernel), "kernel")
+    return f"{name} ({Path(frame.f_code.co_filename).name})"
 
 
 def _inductor_modules() -> list[Any]:
@@ -240,9 +251,11 @@ class _RefuseCompute(TorchDispatchMode):
             return self.capture.fail(str(exc))
         if calls is None:
             return self.capture.fail(f"{func} ran its torch reference, not its C kernel")
+        strings = [a for a in full if isinstance(a, str)]  # an attention layer's name
+        source = func._schema.name + (f" ({', '.join(strings)})" if strings else "")
         for call in (calls,) if isinstance(calls, native_calls.NativeCall) else calls:
             self.capture.record(call.address, call.args, call.what, call.keep, call.check,
-                                call.team)  # fmt: skip
+                                call.team, source)  # fmt: skip
 
 
 # This thread's capture in progress, if any. Captures on two threads do not meet: each
@@ -295,7 +308,7 @@ def _capture(fn: Callable[[], Any], cap: _Capture, cache_root: Path) -> tuple[An
     known = len(_inductor_modules())
     with _RefuseCompute(cap), _KernelsRun() as ran:
         result = fn()
-    recorded = sum(what.startswith("Inductor kernel") for what, _, _ in cap.described)
+    recorded = sum(info.what.startswith("Inductor kernel") for info in cap.described)
     if cap.failure is None and ran.count != recorded:
         raise CpuGraphUnsupported(
             f"{ran.count} Inductor kernels ran and {recorded} were recorded: torch "
@@ -327,31 +340,49 @@ class CpuGraph:
         run: Callable[[int, int], None],
         checks: Sequence[Callable[[], str | None]] = (),
     ):
+        # The pass decides the regions; the program encodes them for the executor.
+        self.regions: list[Region] = form_regions([team for _, _, team in calls])
         flat: list[int] = []
-        for address, args, team in calls:
-            flat += [len(args) | team << 16, address, *args]
+        for region in self.regions:
+            body: list[int] = []
+            for c, barrier in zip(region.calls, region.barriers):
+                address, args, _ = calls[c]
+                body += [len(args) | int(barrier) << 16, address, *args]
+            flat += [region.team, len(region.calls), len(body), *body]
         self.program = torch.tensor(flat, dtype=torch.int64)
         self.num_calls = len(calls)
         self.keep, self.outputs, self._run = keep, outputs, run
         self.checks = tuple(checks)
         self._program_ptr = self.program.data_ptr()
-        self.described: list[tuple[str, int, list[str]]] = []  # per call, set by capture
+        self.described: list[CallInfo] = []  # per call, set by capture
 
     def program_text(self) -> str:
-        """The recorded program, one line per call: its place, the parallel region it runs
-        in (a run of team calls of one team size, a barrier after each call) or none, what
-        recorded it and the shapes of its tensor arguments."""
-        lines, region, last_team = [], 0, 0
-        for i, (what, team, shapes) in enumerate(self.described):
-            if team and team != last_team:
-                region += 1
-            last_team = team
-            where = f"region {region} (team of {team}, barrier after)" if team else "plain call"
-            lines.append(f"{i:4d}  {where:<34}  {what}  ({', '.join(shapes)})")
+        """The program the replay runs, one line per call: its place, its region (plain, or
+        a team's, a barrier after it or not), what recorded it, where in the forward it came
+        from and the shapes of its tensor arguments."""
+        lines = [f"# {self!r}: {region_stats(self.regions)}"]
+        for r, region in enumerate(self.regions):
+            for c, barrier in zip(region.calls, region.barriers):
+                info = self.described[c]
+                where = f"region {r} " + (f"(team of {region.team})" if region.team else "(plain)")
+                where += ", barrier after" if barrier else ""
+                lines.append(f"{c:4d}  {where:<36}  {info.what} <- {info.source}  "
+                             f"({', '.join(info.shapes)})")  # fmt: skip
         return "\n".join(lines) + "\n"
 
+    def program_data(self) -> dict[str, Any]:
+        """The same as data (a dump's report.json): the regions and each call."""
+        return {
+            "stats": region_stats(self.regions),
+            "regions": [
+                {"team": r.team, "calls": list(r.calls), "barriers_after": list(r.barriers)}
+                for r in self.regions
+            ],
+            "calls": [info._asdict() for info in self.described],
+        }
+
     def replay(self) -> Any:
-        self._run(self._program_ptr, self.num_calls)
+        self._run(self._program_ptr, len(self.regions))
         for check in self.checks:  # a recorded call that can fail reports it here
             if (reason := check()) is not None:
                 raise RuntimeError(f"CPU graph replay failed: {reason}")

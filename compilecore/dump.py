@@ -12,6 +12,9 @@ Under DIR/rank_<r>/<module tag>/:
 
 and DIR/rank_<r>/report.json + report.md: pieces with op histograms, pass match counts,
 compile times, the cache key and its factors, versions. `compilecore diff` compares two.
+Each CPU graph the engine records adds DIR/rank_<r>/cpu_graphs/size_N.txt (the program
+the replay runs: every call, the parallel regions the region pass formed, the barriers,
+where each call came from) and the same as data under report.json's "cpu_graphs".
 """
 
 from __future__ import annotations
@@ -36,6 +39,26 @@ def dump_root(engine_config: EngineConfig) -> Path | None:
 
     tp, pp = get_tp_group(), get_pp_group()
     return Path(path) / f"rank_{pp.rank_in_group * tp.world_size + tp.rank_in_group}"
+
+
+CPU_GRAPHS = "cpu_graphs"  # report.json's key for the recorded programs (not a module)
+
+
+def module_entries(report: dict[str, Any]) -> dict[str, Any]:
+    """report.json's compiled modules (tag -> entry), without the CPU graphs' programs."""
+    return {tag: entry for tag, entry in report.items() if tag != CPU_GRAPHS}
+
+
+def write_cpu_graph(root: Path, size: int, graph: Any) -> None:
+    """A recorded CPU graph's program into the dump under `root` (a rank's folder)."""
+    folder = root / CPU_GRAPHS
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"size_{size}.txt").write_text(graph.program_text())
+    path = root / "report.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    report.setdefault(CPU_GRAPHS, {})[f"size_{size}"] = graph.program_data()
+    path.write_text(json.dumps(report, indent=2, sort_keys=True, default=str))
+    (root / "report.md").write_text(report_markdown(report))
 
 
 _FREES = re.compile(r";\s+[\w\s=]+= None$")
@@ -177,7 +200,7 @@ def _matches_table(entry: dict[str, Any]) -> list[str]:
 
 def report_markdown(report: dict[str, Any]) -> str:
     lines = ["# compilecore dump", ""]
-    for tag, entry in report.items():
+    for tag, entry in module_entries(report).items():
         secs = entry["compile_seconds"]
         lines += [
             f"## {tag}",
@@ -206,5 +229,15 @@ def report_markdown(report: dict[str, Any]) -> str:
             )
         lines += ["", *_matches_table(entry), "", "Cache key factors:", ""]
         lines += [f"- {k}: `{str(v)[:120]}`" for k, v in sorted(entry["cache_factors"].items())]
+        lines.append("")
+    graphs = report.get(CPU_GRAPHS, {})
+    if graphs:
+        lines += ["## CPU graphs", "", "| size | calls | parallel regions | team calls | "
+                  "plain calls | barriers |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for size, program in sorted(graphs.items(), key=lambda kv: int(kv[0].split("_")[1])):
+            st = program["stats"]
+            lines.append(f"| {size.split('_')[1]} | {len(program['calls'])} | "
+                         f"{st['parallel_regions']} | {st['team_calls']} | {st['plain_calls']} "
+                         f"| {st['barriers']} |")  # fmt: skip
         lines.append("")
     return "\n".join(lines)

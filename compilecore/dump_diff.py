@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from compilecore.dump import module_entries
+
 _NORMALIZERS = [
     (re.compile(r"0x[0-9a-fA-F]+"), "0x?"),
     (re.compile(r"__(compiled_fn|resume_at|transformed_code)_\w+"), r"__\1_N"),
@@ -84,7 +86,7 @@ def _reports(root: Path) -> dict[str, dict]:
 def _histograms(reports: dict[str, dict]) -> dict[str, dict[str, int]]:
     out = {}
     for rank, report in reports.items():
-        for tag, entry in report.items():
+        for tag, entry in module_entries(report).items():
             for piece in entry["pieces"]:
                 out[f"{rank}/{tag}/piece_{piece['index']:02d}"] = piece["ops"]
     return out

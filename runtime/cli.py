@@ -205,16 +205,6 @@ def dump_passes(args: argparse.Namespace) -> dict[str, bool]:
     return passes
 
 
-def write_cpu_graphs(out: Path, graphs: dict) -> None:
-    """Each recorded CPU graph's program (`cpu_graphs/size_N.txt`): the calls a replay
-    makes and the parallel regions the capture formed from the ops' team calls."""
-    for size, graph in sorted(graphs.items()):
-        if graph is not None:
-            folder = out / "cpu_graphs"
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"size_{size}.txt").write_text(graph.program_text())
-
-
 def cmd_dump(args: argparse.Namespace) -> int:
     passes = dump_passes(args)
     llm = LLM(
@@ -230,9 +220,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     )
     if args.prompt:
         out = llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        print(out[0].outputs[0].text, file=sys.stderr)
-        runner = getattr(llm.llm_engine, "runner", None)  # in this process (one rank)
-        write_cpu_graphs(Path(args.out), getattr(runner, "cpu_graphs", {}))
+        print(out[0].outputs[0].text, file=sys.stderr)  # its CPU graphs are in the dump
     print(f"dump written to {args.out}")
     return 0
 

@@ -24,6 +24,7 @@ from compilecore.compile_cache import compile_cache_root
 from compilecore.config import EngineConfig
 from compilecore.counters import compilation_counter
 from compilecore.cuda_graph import FullCudaGraph, full_decode_graphs, piecewise_graphs
+from compilecore.dump import dump_root, write_cpu_graph
 from compilecore.forward_context import set_forward_context
 from compilecore.parallel_state import get_pp_group, get_tp_group, world_rank
 from compilecore.weight_watch import WeightWatch
@@ -489,6 +490,8 @@ class ModelRunner:
             self.cpu_graphs[n] = None
             return expected
         logger.info("captured a CPU graph for %d tokens: %r", n, graph)
+        if (root := dump_root(self.config)) is not None:
+            write_cpu_graph(root, n, graph)
         self.cpu_graphs[n] = graph
         self._unchecked[n] = self.input_ids[:n].clone()
         return logits

@@ -356,8 +356,8 @@ def test_quantized_models_read_the_blocks_and_keep_each_requests_bits(invariant_
     # Decode steps replay a CPU graph (its batch-1 graph captured by the fixture's runs),
     # which holds the same products' calls.
     graph = llm.llm_engine.runner.cpu_graphs.get(1)
-    recorded = sum(what in ("compilecore.q4_linear", "compilecore.q8_linear")
-                   for what, _, _ in graph.described) if graph else 0  # fmt: skip
+    recorded = sum(info.what in ("compilecore.q4_linear", "compilecore.q8_linear")
+                   for info in graph.described) if graph else 0  # fmt: skip
     # 4 a layer, and layer 1's QKV held per part (q and k Q4_1, v Q8_0): two more
     if native_quantized_products():
         assert (products, recorded, replays) == (10, 10, steps - 1)

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from compilecore import cpu_graph
 from compilecore.compile_cache import compile_cache_root
+from compilecore.cpu_graph_regions import form_regions, region_stats
 from passes import native_calls
 from passes.native_calls import NativeCall
 from runtime import LLM, SamplingParams
@@ -224,7 +227,9 @@ def test_kernels_of_code_our_backend_compiles_are_recorded_and_replayed(tmp_path
     assert common.device_codegens["cpu"].wrapper_codegen.__name__ == "PythonWrapperCodegen"
     (out,), graph = cpu_graph.capture(lambda: ours(x, y), tmp_path)
     assert graph.num_calls >= 1
-    assert all(what.startswith("Inductor kernel") for what, _, _ in graph.described)
+    assert all(info.what.startswith("Inductor kernel") for info in graph.described)
+    # each call names the kernel in the wrapper Inductor wrote: its `cpp_fused_...`
+    assert all(info.source.startswith("cpp_fused_") for info in graph.described)
     x.copy_(torch.randn(8, 64))
     y.copy_(torch.randn(8, 64))
     assert torch.equal(graph.replay()[0], out)
@@ -723,3 +728,19 @@ def test_marking_one_models_weights_leaves_other_models_graphs_alone():
     assert not watch_second.check()  # seen once
     mark_weights_changed()
     assert watch_first.check() and watch_second.check()
+
+
+@settings(max_examples=200, deadline=None)
+@given(teams=st.lists(st.sampled_from([0, 0, 1, 2, 4]), max_size=40))
+def test_regions_cover_the_calls_in_order_one_team_each(teams):
+    """The region pass: the calls in order, split into maximal runs of one team size (a
+    plain run for team 0), a barrier after each team call but a region's last."""
+    regions = form_regions(teams)
+    assert [c for r in regions for c in r.calls] == list(range(len(teams)))
+    assert all(r.calls and {teams[c] for c in r.calls} == {r.team} for r in regions)
+    assert all(a.team != b.team for a, b in zip(regions, regions[1:]))  # maximal runs
+    for r in regions:
+        assert r.barriers == tuple(bool(r.team) and c != r.calls[-1] for c in r.calls)
+    stats = region_stats(regions)
+    assert stats["team_calls"] + stats["plain_calls"] == len(teams)
+    assert stats["barriers"] == stats["team_calls"] - stats["parallel_regions"]

@@ -95,11 +95,19 @@ def test_dump_has_every_file(dumps):
     after = (folder / "passes" / "piece_2" / "fuse_add_rms_norm.after.py").read_text()
     assert "fused_add_rms_norm" not in before and "aten.rsqrt" in before
     assert "fused_add_rms_norm" in after and "aten.rsqrt" not in after
-    # the batch-1 CPU graph's recorded program: each call, and the regions formed
-    program = (dumps["off1"] / "cpu_graphs" / "size_1.txt").read_text().splitlines()
+    # the batch-1 CPU graph's program: each call, the regions formed, where calls came from
+    rank = dumps["off1"] / "rank_0"
+    program = (rank / "cpu_graphs" / "size_1.txt").read_text().splitlines()
     assert sum("CPU attention (decode)" in line for line in program) == layers
+    assert sum("<- compilecore::unified_attention_with_output (model.layers." in line
+               for line in program) == 2 * layers  # write and decode, layer by layer
     assert any("region 1 (team of" in line for line in program)
-    assert "Inductor kernel" in program[0] and "plain call" in program[0]
+    assert "Inductor kernel" in program[1] and "(plain)" in program[1]
+    data = json.loads((rank / "report.json").read_text())["cpu_graphs"]["size_1"]
+    regions = data["regions"]
+    assert data["stats"]["parallel_regions"] == sum(r["team"] > 0 for r in regions)
+    assert sorted(c for r in regions for c in r["calls"]) == list(range(len(data["calls"])))
+    assert "| size | calls | parallel regions" in (rank / "report.md").read_text()
 
 
 def test_diff_reports_the_expected_op_deltas(dumps):

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from transformers import MistralConfig, Qwen2Config
 
 from compilecore import cpu_graph, testing
-from passes import native_calls
 from passes.ops import add_rms_norm, layer_kernels, qkv_rope, silu_and_mul
 from tests.helpers import TOKENIZER_VOCAB, save_checkpoint
 
@@ -121,8 +120,10 @@ def test_a_chain_of_ops_replays_as_one_team_region(tmp_path):
 
     out, graph = cpu_graph.capture(layer, tmp_path)
     assert graph.num_calls == 8
-    header = graph.program.tolist()[0]
-    assert header >> 16 == torch.get_num_threads()  # a team call
+    # every call a team call: one region, a barrier after each call but the last
+    region = graph.regions[0]
+    assert len(graph.regions) == 1 and region.team == torch.get_num_threads()
+    assert region.barriers == (True,) * 7 + (False,)
     attn.copy_(_rand(g, 1, h * d))
     positions.fill_(11)
     replayed = [t.clone() for t in graph.replay()]
@@ -163,10 +164,10 @@ def test_the_engine_builds_batch_1_from_the_small_passes(tiny_llama, tmp_path):
     assert _general(stats).get("native_linear", 0) == 0
     graph = llm.llm_engine.runner.cpu_graphs[1]
     assert isinstance(graph, cpu_graph.CpuGraph)
-    lib = layer_kernels._kernel()
-    program = graph.program.tolist()
-    at = program.index(native_calls.function_address(lib.add_rms_norm_team_bf16))
-    assert program[at - 1] >> 16 == torch.get_num_threads()
+    norms = [i for i, info in enumerate(graph.described)
+             if info.source.startswith("compilecore::fused_add_rms_norm")]  # fmt: skip
+    teams = {r.team for r in graph.regions for c in r.calls if c in norms}
+    assert norms and teams == {torch.get_num_threads()}
     eager = LLM(str(tiny_llama[0]), dtype="bfloat16", compilation_config={"mode": "none"})
     want = eager.generate(["hello world"], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want and len(got) == 8
