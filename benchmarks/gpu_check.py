@@ -681,6 +681,41 @@ def step_passes_on_off(check: Check) -> dict:
     return done
 
 
+def step_batch_invariant(check: Check) -> dict:
+    """Batch-invariant mode on the device (Triton products with one tile, decode
+    attention in one split, short queries as decodes): each of 8 requests (greedy with
+    logprobs) gets its tokens alone, in fours and all together; then its batch-1 decode
+    speed on the 1B-class model beside the default's."""
+    from runtime import SamplingParams
+
+    check.drop()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    llm = check.llm("small invariant", compilation_config={"batch_invariant": True})
+
+    def run(prompts: list) -> list:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [(o.token_ids, [sorted((t, p.logprob) for t, p in step.items())
+                               for step in o.logprobs]) for o in outs]  # fmt: skip
+
+    prompts = [PROMPTS[i % len(PROMPTS)] + [7 + i] * (1 + 5 * i) for i in range(8)]
+    alone = [run([p])[0] for p in prompts]
+    fours = run(prompts[:4]) + run(prompts[4:])
+    together = run(prompts)
+    differ = [i for i in range(8) if not alone[i] == fours[i] == together[i]]
+    result: dict = {"requests": 8, "differ": differ}
+    check.drop()
+    dtype = {} if check.dry_run else {"dtype": "bfloat16"}
+    tokens = 32 if check.dry_run else 128
+    for mode, cc in (("default", {}), ("invariant", {"batch_invariant": True})):
+        big = check.llm(f"big {mode}", model="big", **dtype, compilation_config=cc)
+        result[f"{mode}_tok_s"] = decode_speed(big, PROMPTS[2], tokens, 3)
+        check.drop()
+    result["invariant_over_default"] = result["invariant_tok_s"] / result["default_tok_s"]
+    if differ:
+        raise StepFailed(f"batch-invariant mode: requests {differ} changed with the batch", result)
+    return result
+
+
 def step_tensor_parallel(check: Check) -> dict:
     if check.dry_run or torch.cuda.device_count() < 2:
         return {"skipped": "fewer than two devices"}
@@ -706,6 +741,7 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("quantized_products", step_quantized_products),
     ("quantized_decode", step_quantized_decode),
     ("passes_on_off", step_passes_on_off),
+    ("batch_invariant", step_batch_invariant),
     ("tensor_parallel", step_tensor_parallel),
     ("gpu_tests", step_gpu_tests),
 ]

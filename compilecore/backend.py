@@ -161,6 +161,10 @@ class CompilecoreBackend:
     ) -> dict[str, Any]:
         realize = static and not (gm is not None and self._inductor_dequantizes(gm))
         patches = dict(STATIC_SIZE_OPTIONS if realize else {})
+        if self.config.compilation_config.batch_invariant:
+            # A reduction split over programs by the row count would sum a row in another
+            # order at another batch.
+            patches["split_reductions"] = False
         patches.update(self.config.compilation_config.inductor_options)
         patches["post_grad_custom_pre_pass"] = self.pass_manager
         if self.must_run_passes:

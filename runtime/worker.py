@@ -42,24 +42,11 @@ def select_attention_backend(
     """Triton on CUDA, the C++ kernels on CPU (torch if they cannot be built), unless the
     config or the environment forces one. `num_splits` forces the Triton backend's
     split-KV decode and is refused by the others, which have none. `batch_invariant`:
-    the C++ kernels with splits from each sequence's own length (the torch backend, one
-    sequence at a time, where they cannot be built or the config asks for it)."""
+    the same backends with splits that never follow the batch, and short queries' rows
+    attended as decodes (the torch backend computes one sequence at a time)."""
     choice = os.environ.get("COMPILECORE_ATTENTION_BACKEND", requested)
     if choice not in BACKENDS:
         raise ValueError(f"unknown attention backend {choice!r}; use one of {', '.join(BACKENDS)}")
-    if batch_invariant:
-        if choice not in ("auto", "torch", "cpu"):
-            raise ValueError(
-                f"batch_invariant needs the cpu or torch attention backend, not {choice!r} "
-                "(COMPILECORE_ATTENTION_BACKEND or attention_backend)"
-            )
-        if choice != "torch" and device.type == "cpu" and cpu_kernels_usable(cache_dir):
-            logger.info("attention backend: cpu (batch-invariant splits)")
-            return CpuPagedAttentionBackend(cache_dir=cache_dir, invariant=True)
-        if choice == "cpu":
-            raise ValueError("the cpu attention backend's kernels cannot be built here; "
-                             "use attention_backend='torch'")  # fmt: skip
-        return TorchPagedAttentionBackend(per_sequence=True)
     if choice == "auto":
         if device.type == "cuda" and triton_usable(device):
             choice = "triton"
@@ -83,12 +70,18 @@ def select_attention_backend(
             f"this engine runs the {choice} attention backend, which has none (leave it unset, "
             "or use attention_backend='triton' on a CUDA device)"
         )
-    logger.info("attention backend: %s on %s", choice, device.type)
+    logger.info("attention backend: %s on %s%s", choice, device.type,
+                " (batch-invariant)" if batch_invariant else "")  # fmt: skip
     if choice == "cpu":
-        return CpuPagedAttentionBackend(cache_dir=cache_dir)
+        return CpuPagedAttentionBackend(cache_dir=cache_dir, invariant=batch_invariant)
     if choice == "triton":
-        return TritonPagedAttentionBackend(num_splits=num_splits)
-    return TorchPagedAttentionBackend()
+        if batch_invariant and num_splits not in (None, 1):
+            raise ValueError(
+                "batch_invariant keeps every decode in one split: "
+                f"attention_num_splits={num_splits} cannot be used with it"
+            )
+        return TritonPagedAttentionBackend(num_splits=num_splits, invariant=batch_invariant)
+    return TorchPagedAttentionBackend(per_sequence=batch_invariant)
 
 
 def cpu_kernels_usable(cache_dir: Path | None = None) -> bool:

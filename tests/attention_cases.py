@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from hypothesis import assume
 from hypothesis import strategies as st
 
 from compilecore import testing
@@ -172,3 +173,54 @@ def check_case(case: Case, out: torch.Tensor, tol: float = 1e-5) -> torch.Tensor
     assert torch.equal(after[0, slots], case.k[:n].reshape(n, kvh, d))
     assert torch.equal(after[1, slots], case.v[:n].reshape(n, kvh, d))
     return out
+
+
+@st.composite
+def invariant_batches(draw, block_sizes=(16,), head_sizes=(64,), max_ctx=300, max_seqs=4):
+    """Batch-invariant mode's batches: decodes and other queries (short ones: speculative
+    verifications, recomputed tokens; longer prefill chunks) over short and long
+    contexts, fp32 or bf16."""
+    kv_heads = draw(st.integers(1, 3))
+    decodes = [(draw(st.integers(0, max_ctx)), 1) for _ in range(draw(st.integers(0, max_seqs)))]
+    others = [(draw(st.integers(0, max_ctx * 2 // 3)), draw(st.integers(1, 24)))
+              for _ in range(draw(st.integers(0, max_seqs - 1)))]  # fmt: skip
+    assume(decodes or others)
+    return Batch(block_size=draw(st.sampled_from(block_sizes)), kv_heads=kv_heads,
+                 heads=kv_heads * draw(st.sampled_from([1, 3])),
+                 head_size=draw(st.sampled_from(head_sizes)), seqs=decodes + others,
+                 padding=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)),
+                 dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])))  # fmt: skip
+
+
+def case_seqs(case: Case) -> list[tuple[int, int]]:
+    """Each sequence's (cached context, query length)."""
+    starts, lens = case.meta.query_start_loc_cpu, case.meta.seq_lens_cpu
+    return [(lens[i] - (starts[i + 1] - starts[i]), starts[i + 1] - starts[i])
+            for i in range(len(lens))]  # fmt: skip
+
+
+def as_decode_alone(case: Case, backend, seq: int, row: int) -> torch.Tensor:
+    """Query row `row` of sequence `seq`, attended alone as the decode at its position
+    (after the case's batch wrote its K/V)."""
+    (ctx, _), start = case_seqs(case)[seq], case.meta.query_start_loc_cpu[seq]
+    length = ctx + row + 1
+    meta = AttentionMetadata(
+        num_actual_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([length], dtype=torch.int32), slot_mapping=torch.tensor([-1]),
+        block_table=case.meta.block_table[seq : seq + 1], max_query_len=1,
+        max_seq_len=length, num_decodes=1, query_start_loc_cpu=[0, 1], seq_lens_cpu=[length],
+    )  # fmt: skip
+    out = torch.empty_like(case.q[:1])
+    q = case.q[start + row : start + row + 1]
+    backend.forward(case.layer, q, case.k[:1], case.v[:1], out, meta)
+    return out[0]
+
+
+def check_rows_as_decodes(case: Case, out: torch.Tensor, backend, rows: int) -> None:
+    """Each decode, and each row of a query of at most `rows` tokens, has the bits of the
+    decode at its position run alone."""
+    for i, (_, qlen) in enumerate(case_seqs(case)):
+        if qlen <= rows:
+            start = case.meta.query_start_loc_cpu[i]
+            for j in range(qlen):
+                assert torch.equal(out[start + j], as_decode_alone(case, backend, i, j)), (i, j)

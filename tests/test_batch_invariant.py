@@ -4,6 +4,7 @@ in its batch (vLLM's `VLLM_BATCH_INVARIANT=1`)."""
 from __future__ import annotations
 
 import functools
+import os
 import random
 
 import pytest
@@ -197,8 +198,6 @@ def test_the_mode_is_set_by_vllms_variable_and_refuses_what_it_cannot_keep(monke
     [
         ({"compilation_config": {"batch_invariant": True, "compile_sizes": [1]}}, "compile_sizes"),
         ({"compilation_config": {"batch_invariant": True, "mode": "none"}}, "mode='none'"),
-        ({"compilation_config": {"batch_invariant": True}, "attention_backend": "triton"},
-         "attention_backend='triton'"),
     ],
 )  # fmt: skip
 def test_settings_the_mode_cannot_keep_are_errors_naming_them(tiny_llama, setting, named):
@@ -402,3 +401,55 @@ def test_the_start_up_check_covers_every_block_format(tiny_gguf, tiny_llama, mon
     monkeypatch.setattr(QuantFormat, "product", variant)
     with pytest.raises(NotBatchInvariant, match="read from the blocks"):
         check_invariant_blocks(model, config)
+
+
+_TRITON = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(1, 40), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_the_triton_products_give_a_row_its_bits_in_any_batch(rows, dtype, seed):
+    """On CUDA the mode's products are Triton kernels with one tile for every row count
+    (`invariant_mm`'s, and the quantized products' INVARIANT_TILE; cuBLAS picks kernels by
+    shape): row r among any number of rows has the bits it has among 48, and the products
+    are still the reference's."""
+    from models.layers.quantization import QuantFormat, quantize
+    from passes.ops.invariant_mm import invariant_mm_triton
+    from passes.ops.triton_quant import INVARIANT_TILE, quant_linear_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(48, 96, generator=g).to(dtype).to(device)
+    b = torch.randn(96, 80, generator=g).to(dtype).to(device)
+    full = invariant_mm_triton(a, b)
+    assert torch.equal(invariant_mm_triton(a[:rows], b), full[:rows])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(full.float(), a.float() @ b.float(), rtol=tol, atol=tol * 10)
+    fmt = QuantFormat(4, 32)
+    fields = quantize(torch.randn(80, 96, generator=g), fmt)
+    w, *rest = (fields[name].to(device) for name in fmt.names())
+    y = quant_linear_triton(a, w, tuple(rest), tile=INVARIANT_TILE)
+    assert torch.equal(quant_linear_triton(a[:rows], w, tuple(rest), tile=INVARIANT_TILE),
+                       y[:rows])  # fmt: skip
+
+
+@pytest.mark.skipif(not _TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_the_default_triton_tiles_follow_the_row_count():
+    """The control: the quantized product's default tiles (one row: multiply-adds; more:
+    tl.dot) give a row alone other bits than among 48."""
+    from models.layers.quantization import QuantFormat, quantize
+    from passes.ops.triton_quant import quant_linear_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(48, 256, generator=g).to(device)
+    fmt = QuantFormat(4, 32)
+    fields = quantize(torch.randn(80, 256, generator=g), fmt)
+    w, *rest = (fields[name].to(device) for name in fmt.names())
+    alone = quant_linear_triton(a[:1], w, tuple(rest))
+    among = quant_linear_triton(a, w, tuple(rest))
+    if torch.equal(alone, among[:1]):
+        pytest.skip("the default tiles happen to give this row the same bits here")
+    assert not torch.equal(alone, among[:1])

@@ -8,21 +8,30 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import assume, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import models.layers.attention  # noqa: F401 - registers the attention op
 from compilecore import cpu_graph
 from compilecore.forward_context import set_forward_context
 from runtime import LLM, SamplingParams
-from runtime.attention import AttentionMetadata, TorchPagedAttentionBackend
+from runtime.attention import TorchPagedAttentionBackend
 from runtime.attention.cpu_build import load_cpu_kernels
 from runtime.attention.cpu_paged import (
     PARALLEL_MIN_WORK,
     ROWS_AS_DECODES,
     CpuPagedAttentionBackend,
 )
-from tests.attention_cases import Batch, batches, build_case, check_case, run_and_check
+from tests.attention_cases import (
+    Batch,
+    as_decode_alone,
+    batches,
+    build_case,
+    check_case,
+    check_rows_as_decodes,
+    invariant_batches,
+    run_and_check,
+)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 SHAPES = dict(
@@ -143,42 +152,8 @@ def test_team_decode_in_a_replay_equals_dense(tmp_path_factory, batch):
     check_case(case, graph.replay(), TOL[batch.dtype])
 
 
-@st.composite
-def invariant_batches(draw):
-    """Decodes and other queries (short ones: speculative verifications, recomputed
-    tokens; longer prefill chunks) over short and long contexts."""
-    kv_heads = draw(st.integers(1, 3))
-    decodes = [(draw(st.integers(0, 300)), 1) for _ in range(draw(st.integers(0, 4)))]
-    others = [(draw(st.integers(0, 200)), draw(st.integers(1, 24)))
-              for _ in range(draw(st.integers(0, 3)))]  # fmt: skip
-    assume(decodes or others)
-    return _decode_batch(draw, kv_heads, decodes + others)
-
-
-def _as_decode_alone(case, backend, seq: int, row: int) -> torch.Tensor:
-    """Query row `row` of sequence `seq`, attended alone as the decode at its position."""
-    (ctx, _), start = case_seqs(case)[seq], case.meta.query_start_loc_cpu[seq]
-    length = ctx + row + 1
-    meta = AttentionMetadata(
-        num_actual_tokens=1, query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-        seq_lens=torch.tensor([length], dtype=torch.int32), slot_mapping=torch.tensor([-1]),
-        block_table=case.meta.block_table[seq : seq + 1], max_query_len=1,
-        max_seq_len=length, num_decodes=1, query_start_loc_cpu=[0, 1], seq_lens_cpu=[length],
-    )  # fmt: skip
-    out = torch.empty_like(case.q[:1])
-    q = case.q[start + row : start + row + 1]
-    backend.forward(case.layer, q, case.k[:1], case.v[:1], out, meta)
-    return out[0]
-
-
-def case_seqs(case) -> list[tuple[int, int]]:
-    starts, lens = case.meta.query_start_loc_cpu, case.meta.seq_lens_cpu
-    return [(lens[i] - (starts[i + 1] - starts[i]), starts[i + 1] - starts[i])
-            for i in range(len(lens))]  # fmt: skip
-
-
 @settings(max_examples=40, deadline=None)
-@given(batch=invariant_batches())
+@given(batch=invariant_batches(block_sizes=(1, 16), head_sizes=(40, 64)))
 def test_invariant_rows_are_their_decodes_alone(batch):
     """Batch-invariant mode: each decode, and each row of a query of at most
     ROWS_AS_DECODES tokens, gets the bits of the decode at its position run alone
@@ -187,11 +162,7 @@ def test_invariant_rows_are_their_decodes_alone(batch):
     case = build_case(batch)
     backend = CpuPagedAttentionBackend(num_threads=2, invariant=True)
     out = run_and_check(case, backend, TOL[batch.dtype])
-    for i, (_, qlen) in enumerate(case_seqs(case)):
-        if qlen <= ROWS_AS_DECODES:
-            start = case.meta.query_start_loc_cpu[i]
-            for j in range(qlen):
-                assert torch.equal(out[start + j], _as_decode_alone(case, backend, i, j)), (i, j)
+    check_rows_as_decodes(case, out, backend, ROWS_AS_DECODES)
 
 
 def test_without_invariant_splits_a_decode_depends_on_its_batch():
@@ -204,7 +175,7 @@ def test_without_invariant_splits_a_decode_depends_on_its_batch():
         case = build_case(batch)
         backend = CpuPagedAttentionBackend(num_threads=2, invariant=invariant)
         out = run_and_check(case, backend, TOL[batch.dtype])
-        results.append(torch.equal(out[0], _as_decode_alone(case, backend, 0, 0)))
+        results.append(torch.equal(out[0], as_decode_alone(case, backend, 0, 0)))
     assert results[0]
     if results[1]:
         pytest.skip("the two split counts happen to give this row the same bits")

@@ -30,9 +30,11 @@ def test_dry_run_passes_every_step(tmp_path):
         "greedy_cpu_vs_device", "default_model_bf16", "temperature_sampling",
         "graphs_vs_eager", "chunked_prefill", "split_kv", "decode_bandwidth",
         "attention_trips", "splitk_gemv", "quantized_products", "quantized_decode",
-        "passes_on_off", "tensor_parallel",
+        "passes_on_off", "batch_invariant", "tensor_parallel",
         "gpu_tests",
     ]  # fmt: skip
+    assert steps["batch_invariant"]["detail"]["differ"] == []
+    assert steps["batch_invariant"]["detail"]["invariant_tok_s"] > 0
     assert all(r["status"] == "ok" for r in steps.values())
     assert "skipped" in steps["gpu_tests"]["detail"]["summary"]  # collected, no device
     assert steps["graphs_vs_eager"]["detail"]["ratio"] > 0

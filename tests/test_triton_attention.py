@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from runtime import LLM, SamplingParams
 from runtime.attention import TorchPagedAttentionBackend
+from runtime.attention.torch_paged import ROWS_AS_DECODES
 from runtime.attention.triton_paged import (
     SPLIT_VARIANTS,
     TritonPagedAttentionBackend,
@@ -20,7 +21,14 @@ from runtime.attention.triton_paged import (
     pages_per_trip,
     split_variant,
 )
-from tests.attention_cases import Batch, batches, build_case, run_and_check
+from tests.attention_cases import (
+    Batch,
+    batches,
+    build_case,
+    check_rows_as_decodes,
+    invariant_batches,
+    run_and_check,
+)
 
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted = pytest.mark.skipif(
@@ -291,3 +299,36 @@ def test_the_engine_warms_every_split_variant_once_per_shape(tiny_llama, monkeyp
     assert len(calls) == 1
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+@interpreted
+@settings(max_examples=8, deadline=None)
+@given(batch=invariant_batches(max_ctx=80, max_seqs=3))
+def test_invariant_rows_are_their_decodes_alone(batch):
+    """Batch-invariant mode (one split for every decode; short queries' rows through the
+    per-token kernel, the tiles for the longer ones): each decode and each row of a query
+    of at most ROWS_AS_DECODES tokens gets the bits of the decode at its position alone;
+    the batch is still dense attention."""
+    case = build_case(batch)
+    backend = TritonPagedAttentionBackend(invariant=True)
+    out = run_and_check(case, backend, TOL[batch.dtype])
+    check_rows_as_decodes(case, out, backend, ROWS_AS_DECODES)
+
+
+@interpreted
+def test_invariant_mode_on_triton_attention_keeps_each_requests_tokens(tiny_llama):
+    """The engine in batch-invariant mode on the Triton backend (the interpreter here):
+    greedy requests of several lengths, alone and together, give the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    llm = LLM(str(tiny_llama[0]), attention_backend="triton", max_num_batched_tokens=40,
+              max_num_seqs=4, compilation_config={"batch_invariant": True})  # fmt: skip
+    assert llm.llm_engine.runner.attn_backend.rows_as_decodes == ROWS_AS_DECODES
+    prompts = [[5, 6, 7], [3 + (i * 7) % 90 for i in range(36)], [42]]
+
+    def result(out):
+        logprobs = [sorted((t, p.logprob) for t, p in s.items()) for s in out.outputs[0].logprobs]
+        return out.outputs[0].token_ids, logprobs
+
+    alone = [result(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
+    together = [result(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert together == alone

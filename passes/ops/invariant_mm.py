@@ -8,6 +8,8 @@ for the same row among 16 (tests/test_batch_invariant.py measures it); on an AMX
 rows among 48, one call over whole tiles. So every call takes exactly `ROWS` rows (zero
 rows appended, one call a tile): each row is computed by the same kernel whatever the
 batch; the zero rows cost nothing at decode, where the weight's bytes bound the time.
+On CUDA (cuBLAS picks its kernel, and split-K, by the shape) the op is our own Triton
+kernel with one tile shape for every row count (`invariant_mm_kernel.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from passes import native_calls
 from passes.ops import onednn_shim
+from passes.ops.triton_utils import HAS_TRITON
 
 ROWS = 16
 
@@ -60,6 +63,33 @@ def check_rows(k: int, n: int, dtype: torch.dtype, device: torch.device | str = 
             )
 
 
+# The Triton kernel's tile: fixed, whatever the rows (16: tl.dot's smallest).
+TRITON_TILE = (16, 64, 64)
+
+
+def invariant_mm_triton(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b by the Triton kernel (CUDA; CPU tensors under TRITON_INTERPRET=1)."""
+    import os
+
+    from passes.ops.invariant_mm_kernel import invariant_mm_kernel
+
+    (m, k), n = a.shape, b.shape[1]
+    out = a.new_empty(m, n)
+    if m == 0 or n == 0:
+        return out
+    block_m, block_n, block_k = TRITON_TILE
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    grid = (-(-m // block_m), -(-n // block_n))
+    invariant_mm_kernel[grid](
+        a, b, out, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_F32=interpreted and a.dtype != torch.float32,
+        # fp32 models want fp32 answers: TF32 would cost three decimal digits.
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return out
+
+
 def _fake_invariant_mm(a, b):
     return a.new_empty(a.shape[0], b.shape[1])
 
@@ -81,6 +111,8 @@ def _native_call(args: tuple, out: torch.Tensor) -> native_calls.NativeCall | tu
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("invariant_mm(Tensor a, Tensor b) -> Tensor")
 _LIB.impl("invariant_mm", invariant_mm, "CompositeExplicitAutograd")
+if HAS_TRITON:  # else the library GEMM's tiles (check_rows decides at start)
+    _LIB.impl("invariant_mm", invariant_mm_triton, "CUDA")
 torch.library.register_fake("compilecore::invariant_mm", _fake_invariant_mm, lib=_LIB)
 native_calls.declare_entry("compilecore::invariant_mm", _native_call)
 # The op, as callers outside a compiled graph use it: a CPU graph records the op's declared

@@ -403,15 +403,17 @@ def q8_dense_product(x, w, scales, bias=None, out_dtype=None):
 
 
 def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invariant=False):
-    from passes.ops.triton_quant import quant_linear_triton
+    from passes.ops.triton_quant import INVARIANT_TILE, quant_linear_triton
 
-    return quant_linear_triton(x, w, (scales, mins), bias, out_dtype)
+    tile = INVARIANT_TILE if invariant else None
+    return quant_linear_triton(x, w, (scales, mins), bias, out_dtype, tile)
 
 
 def q8_linear_cuda(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=False):
-    from passes.ops.triton_quant import quant_linear_triton
+    from passes.ops.triton_quant import INVARIANT_TILE, quant_linear_triton
 
-    return quant_linear_triton(x, w, (scales,), bias, out_dtype)
+    tile = INVARIANT_TILE if invariant else None
+    return quant_linear_triton(x, w, (scales,), bias, out_dtype, tile)
 
 
 def _fake_q4(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invariant=False):

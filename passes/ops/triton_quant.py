@@ -46,6 +46,11 @@ def default_tile(m: int) -> Tile:
     return Tile(16, 16, 256, 4) if m <= 16 else Tile(32, 64, 64)
 
 
+# Batch-invariant mode's tile: one shape (tl.dot, no split-K) for every row count, so a
+# row's sums never depend on the batch (tests/test_batch_invariant.py).
+INVARIANT_TILE = Tile(16, 16, 256, 4)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -179,7 +179,7 @@ def merge_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["first_seq"])
+@triton.jit(do_not_specialize=["first_seq", "min_query"])
 def prefill_attention_kernel(
     q_ptr,
     kc_ptr,
@@ -189,6 +189,7 @@ def prefill_attention_kernel(
     seq_lens_ptr,
     table_ptr,
     first_seq,
+    min_query,
     scale,
     q_stride,
     out_stride,
@@ -205,7 +206,8 @@ def prefill_attention_kernel(
 ):
     # One program per (sequence, tile of BLOCK_M query tokens, KV head). The tile's rows
     # are (token, query head of the group) pairs, so every K/V page is loaded once for
-    # BLOCK_M * GROUP rows and both products run on the tensor cores.
+    # BLOCK_M * GROUP rows and both products run on the tensor cores. Queries of at most
+    # `min_query` tokens are left alone (batch-invariant mode attends them as decodes).
     seq = first_seq + tl.program_id(0)
     tile_start = tl.program_id(1) * BLOCK_M
     kv_head = tl.program_id(2)
@@ -218,7 +220,7 @@ def prefill_attention_kernel(
     tok = tile_start + r // GROUP_BLOCK
     g = r % GROUP_BLOCK
     d = tl.arange(0, HEAD_BLOCK)
-    row_mask = (tok < q_len) & (g < GROUP)
+    row_mask = (tok < q_len) & (g < GROUP) & (q_len > min_query)
     d_mask = d < HEAD
     q_pos = ctx + tok
     heads = kv_head * GROUP + g
@@ -233,7 +235,7 @@ def prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M * GROUP_BLOCK, HEAD_BLOCK], tl.float32)
 
     last_pos = ctx + tl.minimum(tile_start + BLOCK_M, q_len) - 1  # the tile's causal horizon
-    num_blocks = tl.where(tile_start < q_len, last_pos // BLOCK + 1, 0)
+    num_blocks = tl.where((tile_start < q_len) & (q_len > min_query), last_pos // BLOCK + 1, 0)
     offs = tl.arange(0, BLOCK)
     for b in range(0, num_blocks):
         block_id = tl.load(table_ptr + seq * table_stride + b).to(tl.int64)

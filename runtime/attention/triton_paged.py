@@ -27,6 +27,7 @@ import torch
 
 from passes.ops.triton_utils import row_num_warps
 from runtime.attention.metadata import AttentionMetadata
+from runtime.attention.torch_paged import ROWS_AS_DECODES
 
 _kernels: dict = {}
 
@@ -123,9 +124,12 @@ def paged_attention_triton(
     num_splits: int | None = None,
     prefill_tiles: bool = True,
     trip_tokens: int = TRIP_TOKENS,
+    rows_as_decodes: int = 0,
 ) -> None:
     """Decodes (and, without tiles, every token) through the per-token kernel; prefill
-    sequences through the tiled tl.dot kernel when the page and head allow its tiles."""
+    sequences through the tiled tl.dot kernel when the page and head allow its tiles.
+    `rows_as_decodes` (batch-invariant mode): queries of at most that many tokens go
+    through the per-token kernel too, each row as the decode at its position."""
     n = meta.num_actual_tokens
     if n == 0:
         return
@@ -133,13 +137,18 @@ def paged_attention_triton(
     q = q.reshape(q.shape[0], -1)
     tiles = prefill_tiles and block >= 16 and head >= 16 and meta.max_query_len > 1
     per_token = meta.num_decodes if tiles else n  # decodes come first, one token each
+    starts = meta.query_start_loc_cpu
+    if tiles and any(starts[i + 1] - starts[i] <= rows_as_decodes
+                     for i in range(meta.num_decodes, meta.num_seqs)):  # fmt: skip
+        per_token = n  # every row, then the tiles rewrite the longer queries' rows
     if per_token:
         _per_token_attention(
             q, kv_cache, output, meta, per_token, num_heads, num_kv_heads, head, scale,
             num_splits, trip_tokens,
         )  # fmt: skip
     if tiles and meta.num_seqs > meta.num_decodes:
-        _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head, scale)
+        _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head, scale,
+                           rows_as_decodes)  # fmt: skip
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
@@ -214,7 +223,9 @@ def _per_token_attention(
         )
 
 
-def _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head, scale) -> None:
+def _prefill_attention(
+    q, kv_cache, output, meta, num_heads, num_kv_heads, head, scale, min_query
+) -> None:
     block = kv_cache.shape[2]
     tile = prefill_tile_rows(num_heads, num_kv_heads)
     prefills = meta.num_seqs - meta.num_decodes
@@ -228,6 +239,7 @@ def _prefill_attention(q, kv_cache, output, meta, num_heads, num_kv_heads, head,
         meta.seq_lens,
         meta.block_table,
         meta.num_decodes,
+        min_query,
         scale,
         q.stride(0),
         output.stride(0),
@@ -248,11 +260,16 @@ class TritonPagedAttentionBackend:
 
     def __init__(
         self, num_splits: int | None = None, prefill_tiles: bool = True,
-        trip_tokens: int = TRIP_TOKENS,
+        trip_tokens: int = TRIP_TOKENS, invariant: bool = False,
     ):  # fmt: skip
         self.num_splits = num_splits  # None: chosen per step by choose_num_splits
         self.prefill_tiles = prefill_tiles
         self.trip_tokens = trip_tokens  # keys a decode loop trip reads (whole pages)
+        # Batch-invariant mode: no split (the split count follows the batch), and short
+        # queries' rows attend as decodes (tests/test_triton_attention.py).
+        self.rows_as_decodes = ROWS_AS_DECODES if invariant else 0
+        if invariant:
+            self.num_splits = 1
 
     def warm_up(self, layer, kv_cache: torch.Tensor) -> int:
         """Compile every decode variant for `layer`'s shapes now (each split variant and
@@ -296,6 +313,7 @@ class TritonPagedAttentionBackend:
             self.num_splits,
             self.prefill_tiles,
             self.trip_tokens,
+            self.rows_as_decodes,
         )
 
 
