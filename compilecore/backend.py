@@ -93,13 +93,13 @@ def _concretize(args: Sequence[Any], size: int, mode: FakeTensorMode) -> list[An
     return out
 
 
-# Code for a static token count (batch-1 decode on CPU): every pointwise value that feeds
-# a reduction is computed once into its own (tiny) buffer instead of being recomputed
-# inside the reduction's loop for every output row, so the GEMV loops only stream weights
-# (benchmarks/NOTES.md, section 12). Not where Inductor dequantizes weights itself (no
-# native quantized product): a dequantized weight is such a value, and it would be
-# written out whole in fp32 every step (the default Q4_1 model at batch 1 on an AVX2 CPU:
-# 6.6 tok/s with the option, 8.5 without).
+# Code for a static token count (batch-1 decode on CPU): every pointwise value that feeds a
+# reduction is computed once into its own (tiny) buffer instead of being recomputed inside the
+# reduction's loop for every output row, so the GEMV loops only stream weights
+# (docs/kernel-choices.md, Static-size code). Not where Inductor dequantizes weights itself (no
+# native quantized product): a dequantized weight is such a value, and it would be written out
+# whole in fp32 every step (the default Q4_1 model at batch 1 on an AVX2 CPU: 6.6 tok/s with the
+# option, 8.5 without).
 STATIC_SIZE_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 0}
 _DEQUANTIZE_OPS = (["compilecore", "dequantize_q4"], ["compilecore", "dequantize_q8"])
 

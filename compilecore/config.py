@@ -215,7 +215,8 @@ class ParallelConfig:
 
 # Batch-1 decode gets static-size code (where the GEMV pass turns each linear layer into one
 # weight-streaming loop) and a CPU graph. Sizes 2 and 4 were measured and left out: Inductor's
-# reduction loops for them re-read the weights per row (benchmarks/NOTES.md, section 20).
+# reduction loops for them re-read the weights per row (docs/kernel-choices.md, Static-size
+# code).
 DEFAULT_CPU_COMPILE_SIZES = (1,)
 
 
@@ -388,8 +389,8 @@ class EngineConfig:
         cc.compile_sizes = []
         # A hit skips rows a run without it computes in another chunk: none are taken.
         cache.enable_prefix_caching = False
-        # Decodes come first in a step: a chunk this long always fits beside them.
-        sched.invariant_chunk = max(1, sched.max_num_batched_tokens - sched.max_num_seqs)
+        # Long chunks run in steps of their own (runtime/scheduler.py): a whole budget each.
+        sched.invariant_chunk = sched.max_num_batched_tokens
 
     def _speculative(self) -> None:
         spec, sched = self.speculative_config, self.scheduler_config

@@ -18,12 +18,12 @@ capture runs the forward once with
 
 and the replay calls the recorded functions in order from C: no Python between kernels.
 (Inductor's `cpp_wrapper` calls its kernels from C, out of sight: the config switches CPU
-graphs off with it; its per-piece C++ ran no faster than the Python wrapper, NOTES 48.)
-An op may declare a team function (`NativeCall(team=n)`): a pass over the recording
-(`cpu_graph_regions.py`) puts each run of such calls in one OpenMP parallel region of n
-threads, a barrier between calls, and the replay runs the regions it formed. At batch 1 the
-layer ops and the attention between them are team functions, so the step's middle is one
-parallel region, not ~90.
+graphs off with it; its per-piece C++ ran no faster than the Python wrapper:
+docs/kernel-choices.md, Inductor's C++ wrapper.) An op may declare a team function
+(`NativeCall(team=n)`): a pass over the recording (`cpu_graph_regions.py`) puts each run of such
+calls in one OpenMP parallel region of n threads, a barrier between calls, and the replay runs
+the regions it formed. At batch 1 the layer ops and the attention between them are team
+functions, so the step's middle is one parallel region, not ~90.
 
 Unfused (one decode step at batch 1, SmolLM2: ~130 Python-level calls):
 

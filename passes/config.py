@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-# On by default only where a benchmark showed the fused op is not slower than Inductor's
-# own fusion on that device (benchmarks/pass_ablation.py, NOTES section 44). On CPU the
-# mission's fusions and the batch-1 product make the fast path: each fused op has a C
+# On by default only where a benchmark showed the fused op is not slower than Inductor's own
+# fusion on that device (benchmarks/pass_ablation.py; docs/kernel-choices.md, The layer region).
+# On CPU the mission's fusions and the batch-1 product make the fast path: each fused op has a C
 # kernel that a CPU graph replays in one parallel region with the products.
 DEVICE_DEFAULTS = {
     "cpu": {
@@ -61,15 +61,15 @@ class PassConfig:
     fuse_qkv_rope: bool | None = None
     fuse_allreduce_rms_norm: bool | None = None
     fuse_silu_and_mul: bool | None = None
-    # Products with block-quantized weights as `compilecore.q4_linear` / `q8_linear`: our
-    # C loop on the blocks on CPU; on CUDA a Triton kernel, off there by default: an H200
-    # ran it at 0.53-0.74x Inductor's dequantization + cuBLAS (NOTES 52).
+    # Products with block-quantized weights as `compilecore.q4_linear` / `q8_linear`: our C loop
+    # on the blocks on CPU; on CUDA a Triton kernel, off there by default: an H200 ran it at
+    # 0.53-0.74x Inductor's dequantization + cuBLAS (docs/kernel-choices.md, Quantized products
+    # on CUDA).
     quantized_linear: bool | None = None
-    # Q8_0's products quantize the activations to int8 per run of 32, as llama.cpp does for
-    # its own: 1.5x the exact bf16 products over 6 rows and more (NOTES 52), 1.01-1.22x at
-    # 1-2 rows (NOTES 55; 3-5 stay exact), on AVX512-VNNI; so do the K-quants' row
-    # products (Q4_K 1-7 rows, 1.45x raw; Q6_K 1-5: NOTES 56). False: every product exact.
-    # CPU only.
+    # Q8_0's products quantize the activations to int8 per run of 32, as llama.cpp does for its
+    # own: 1.5x the exact bf16 products over 6 rows and more, 1.01-1.22x at 1-2 rows (3-5 stay
+    # exact), on AVX512-VNNI; so do the K-quants' row products (Q4_K 1-7 rows, 1.45x raw; Q6_K
+    # 1-5: docs/kernel-choices.md, Int8 activations). False: every product exact. CPU only.
     int8_activations: bool = True
     # Dequantization ops left as the reference's plain ops, for Inductor to fuse.
     decompose_dequantize: bool | None = None

@@ -1,11 +1,11 @@
 """Small-batch GEMMs -> reductions that Inductor generates as vector loops (CPU decode).
 
-At batch 1 a linear layer is a matrix-vector product bounded by reading the weight. The
-library GEMM called through `extern_kernels.mm` reads bf16 weights at about half the
-memory bandwidth on this CPU; the same product written as a multiply and a reduction over
-K, which Inductor turns into one vectorized C++ loop with fp32 accumulation, reads them at
-nearly the full bandwidth (benchmarks/NOTES.md). Only pieces compiled for a static token
-count of at most `max_m` are rewritten (the `compile_sizes` artifacts).
+At batch 1 a linear layer is a matrix-vector product bounded by reading the weight. The library
+GEMM called through `extern_kernels.mm` reads bf16 weights at about half the memory bandwidth on
+this CPU; the same product written as a multiply and a reduction over K, which Inductor turns
+into one vectorized C++ loop with fp32 accumulation, reads them at nearly the full bandwidth
+(docs/kernel-choices.md, Static-size code). Only pieces compiled for a static token count of at
+most `max_m` are rewritten (the `compile_sizes` artifacts).
 
 Unfused:
 
@@ -39,8 +39,8 @@ class GemvToReductionPass(PatternPass):
     name = "gemv_to_reduction"
     depends_on = ("passes.ops.gemv",)
 
-    # One row: at M = 4 Inductor's loops for the reduction re-read each weight row per row
-    # of x and ran 8x slower than the library GEMM (benchmarks/NOTES.md, section 20).
+    # One row: at M = 4 Inductor's loops for the reduction re-read each weight row per row of x
+    # and ran 8x slower than the library GEMM (docs/kernel-choices.md, Static-size code).
     def __init__(self, max_m: int = 1):
         self.max_m = max_m
         super().__init__()

@@ -1,6 +1,6 @@
 """Buffers in transparent huge pages: weights and the copies made from them are streamed
-every step, and from 2 MiB pages they read faster (benchmarks/NOTES.md, sections 16 and
-28). `runtime/huge_pages.py` moves a model's parameters into them."""
+every step, and from 2 MiB pages they read faster (docs/kernel-choices.md, Huge pages).
+`runtime/huge_pages.py` moves a model's parameters into them."""
 
 from __future__ import annotations
 

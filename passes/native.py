@@ -149,9 +149,9 @@ def load_library(source: str, name: str, root: Path, flags: list[str] = FLAGS) -
         return ctypes.CDLL(str(path))
 
 
-# Row lengths from which a kernel's product gets a fully unrolled copy of its own: the
-# ~1 KB rows of a real model's layers, where a loop exit per row costs (NOTES section 33);
-# smaller rows (test models) share the one generic build.
+# Row lengths from which a kernel's product gets a fully unrolled copy of its own: the ~1 KB
+# rows of a real model's layers, where a loop exit per row costs (docs/kernel-choices.md,
+# Quantized row products); smaller rows (test models) share the one generic build.
 UNROLL_MIN_K, UNROLL_MAX_K = 256, 16384
 
 

@@ -12,10 +12,10 @@ Fused:
     y = compilecore.linear(x, w, b)
 
 Only pieces compiled for one token (the static size-1 code) where the C loop builds
-(`passes.ops.layer_kernels.available`): there Inductor's extern GEMM reads bf16 weights at
-about half the memory's speed and its own reduction loop (`gemv_to_reduction`, the
-fallback) at ~0.9 of ours (benchmarks/NOTES.md, sections 20, 31 and 44). One site per
-linear layer: 4 per Llama layer.
+(`passes.ops.layer_kernels.available`): there Inductor's extern GEMM reads bf16 weights at about
+half the memory's speed and its own reduction loop (`gemv_to_reduction`, the fallback) at ~0.9
+of ours (docs/kernel-choices.md, Static-size code and The layer region). One site per linear
+layer: 4 per Llama layer.
 """
 
 from __future__ import annotations

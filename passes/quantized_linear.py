@@ -12,18 +12,18 @@ Fused:
     y  = compilecore.q4_linear(qw, ...)                          # never materializes wd
     y  = compilecore.q4_linear(x, qw, scales, mins, b)
 
-The same for `dequantize_q8` -> `q8_linear`. Every product on CPU, at any token count: the
-op reads the blocks directly for up to `MAX_KERNEL_ROWS` (32 for q4, 128 for q8) rows,
-where a product is bound by reading its weight (decode; a CPU graph records the call),
-and dequantizes once into a dense GEMM for more (larger batches, a prefill: compute-
-bound); with AVX512-BF16 bf16 products read them further (`BF16_ROWS`: q4 64, q8 all). The
-choice is made per call, so the symbolic-size code serves batched decode from the blocks
-too. One site per linear layer: 4 per Llama layer. Runs before every pass that takes
-plain products (native_linear, gemv_to_reduction, packed_linear), which would otherwise
-take the dequantized weight for an ordinary one; with it off (`native_kernels=False`),
-`decompose_dequantize` hands the pair to Inductor. With `int8_activations` (CPU default)
-the q8 products take `int8_x=True` (Q8_0's and Q6_K's products quantize x as llama.cpp
-does), and so do the q4 products of Q4_K's compact fields (NOTES 56).
+The same for `dequantize_q8` -> `q8_linear`. Every product on CPU, at any token count: the op
+reads the blocks directly for up to `MAX_KERNEL_ROWS` (32 for q4, 128 for q8) rows, where a
+product is bound by reading its weight (decode; a CPU graph records the call), and dequantizes
+once into a dense GEMM for more (larger batches, a prefill: compute- bound); with AVX512-BF16
+bf16 products read them further (`BF16_ROWS`: q4 64, q8 all). The choice is made per call, so
+the symbolic-size code serves batched decode from the blocks too. One site per linear layer: 4
+per Llama layer. Runs before every pass that takes plain products (native_linear,
+gemv_to_reduction, packed_linear), which would otherwise take the dequantized weight for an
+ordinary one; with it off (`native_kernels=False`), `decompose_dequantize` hands the pair to
+Inductor. With `int8_activations` (CPU default) the q8 products take `int8_x=True` (Q8_0's and
+Q6_K's products quantize x as llama.cpp does), and so do the q4 products of Q4_K's compact
+fields (docs/kernel-choices.md, Int8 activations).
 """
 
 from __future__ import annotations

@@ -70,10 +70,10 @@ class _Stream:
 class AsyncLLM:
     """`AsyncLLM(llm)` steps an existing `LLM` from a background thread; `AsyncLLM(model,
     **engine_args)` builds the `LLM` on that thread, which is what a server should do:
-    OpenMP keeps one worker team per thread that ever ran a parallel region, and with more
-    busy teams than cores libgomp stops spinning at barriers and sleeps instead, which
-    halves decode speed on a 2-core machine (benchmarks/NOTES.md, section 18). Built on the
-    stepping thread, the engine's kernels are the only team."""
+    OpenMP keeps one worker team per thread that ever ran a parallel region, and with more busy
+    teams than cores libgomp stops spinning at barriers and sleeps instead, which halves decode
+    speed on a 2-core machine (docs/kernel-choices.md, The engine thread). Built on the stepping
+    thread, the engine's kernels are the only team."""
 
     def __init__(
         self,

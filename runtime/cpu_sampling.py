@@ -3,11 +3,10 @@ vLLM's order) without sorting the vocabulary, the draw by the inverse CDF of one
 per row, and a row's logprobs and ranks.
 
 `sample_rows` runs a batch's rows in C (cpu_sampling.cpp, in parallel) and falls back to
-`sample_row`, the same steps a row at a time in numpy, where the kernel cannot be built.
-Why not torch: at batch 1 a whole-row sort (top-k / top-p) took ~3.6 ms and the exponential
-race's noise ~1 ms on a 49k vocabulary, against a ~7-9 ms decode step; each torch or numpy
-call also runs cold after the weights have streamed through the caches (benchmarks/NOTES.md,
-section 36).
+`sample_row`, the same steps a row at a time in numpy, where the kernel cannot be built. Why not
+torch: at batch 1 a whole-row sort (top-k / top-p) took ~3.6 ms and the exponential race's noise
+~1 ms on a 49k vocabulary, against a ~7-9 ms decode step; each torch or numpy call also runs
+cold after the weights have streamed through the caches (docs/kernel-choices.md, Host time).
 """
 
 from __future__ import annotations
@@ -38,11 +37,10 @@ def _kernel() -> ctypes.CDLL | None:
 
 class _Buffers(threading.local):
     """The kernel's argument buffers for each batch size and the address of the logits it
-    saw last (a weak reference: an engine's logits are not kept alive here), kept across
-    steps, per thread (a call releases the GIL, and two engines may step on two threads).
-    Cold after the weight stream, a fresh numpy spec array, an output array and three
-    `.ctypes.data` took ~85 us a batch-1 step, as long as the kernel itself
-    (benchmarks/NOTES.md, section 37)."""
+    saw last (a weak reference: an engine's logits are not kept alive here), kept across steps,
+    per thread (a call releases the GIL, and two engines may step on two threads). Cold after
+    the weight stream, a fresh numpy spec array, an output array and three `.ctypes.data` took
+    ~85 us a batch-1 step, as long as the kernel itself (docs/kernel-choices.md, Host time)."""
 
     def __init__(self):
         self.by_rows: dict[int, tuple[ctypes.Array, ctypes.Array]] = {}

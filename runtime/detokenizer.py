@@ -5,10 +5,10 @@ character) can span several tokens, and a token's text can depend on the one bef
 So the detokenizer decodes a short window of recent tokens twice, with and without the
 new ones, and emits the difference once it no longer ends in an incomplete character.
 
-Without stop strings nothing needs the text per token: `append` only records the id and
-the text catches up when read (`text`), so offline generation decodes once per request
-instead of twice per token (~40 us of a ~7 ms batch-1 step, NOTES section 34), and a
-stream that reads every step decodes exactly as before.
+Without stop strings nothing needs the text per token: `append` only records the id and the text
+catches up when read (`text`), so offline generation decodes once per request instead of twice
+per token (~40 us of a ~7 ms batch-1 step, docs/kernel-choices.md, Host time), and a stream that
+reads every step decodes exactly as before.
 """
 
 from __future__ import annotations

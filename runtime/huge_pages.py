@@ -1,10 +1,10 @@
 """CPU weights in transparent huge pages.
 
-Batch-1 decode streams every weight once per token. With 4 KiB pages that is ~66,000
-pages a step, each a TLB miss and a page walk in the middle of a stream; in 2 MiB pages
-it is ~130. Linux gives anonymous memory huge pages only where asked (`madvise` mode, the
-common default), so the parameters are copied once into one 2 MiB-aligned arena advised
-with MADV_HUGEPAGE before the model is compiled (benchmarks/NOTES.md, section 13).
+Batch-1 decode streams every weight once per token. With 4 KiB pages that is ~66,000 pages a
+step, each a TLB miss and a page walk in the middle of a stream; in 2 MiB pages it is ~130.
+Linux gives anonymous memory huge pages only where asked (`madvise` mode, the common default),
+so the parameters are copied once into one 2 MiB-aligned arena advised with MADV_HUGEPAGE before
+the model is compiled (docs/kernel-choices.md, Huge pages).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from compilecore.config import EngineConfig
 from models.layers.logits_processor import LogitsProcessor
 from passes.manager import native_passes_built
 from passes.ops import gemv, invariant_mm, packed_linear, quantized
+from passes.ops.quantized import INVARIANT_ROWS
 
 
 def batched_lm_head(engine_config: EngineConfig) -> Callable | None:
@@ -113,8 +114,13 @@ def invariant_quantized_head(x, fmt, fields, bias):
 
 def invariant_blocks_head(x, fmt, fields, bias):
     """Batch-invariant mode's quantized head where the model's products read the blocks:
-    the same row products at every row count (the `invariant` argument)."""
-    return fmt.product(x, fields, bias, torch.float32, invariant=True)
+    the row products (the `invariant` argument's path up to INVARIANT_ROWS rows) at every
+    row count, so at most that many rows a call (a long step may sample more)."""
+    rows = INVARIANT_ROWS
+    if x.shape[0] <= rows:
+        return fmt.product(x, fields, bias, torch.float32, invariant=True)
+    return torch.cat([fmt.product(x[i : i + rows], fields, bias, torch.float32, invariant=True)
+                      for i in range(0, x.shape[0], rows)])  # fmt: skip
 
 
 def choose_lm_head_kernels(model: nn.Module, engine_config: EngineConfig) -> None:

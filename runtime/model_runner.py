@@ -38,13 +38,14 @@ from runtime.scheduler import ScheduledRequest, SchedulerOutput
 logger = logging.getLogger("compilecore")
 # Captures of one size that met a module compiled mid-capture before it gives up.
 MAX_CAPTURE_TRIES = 3
-# Decode batches up to this size record CPU graphs by default, each its own (padding would
-# cost compute: at 9-16 rows the products are compute-bound). Measured in NOTES section 27.
+# Decode batches up to this size record CPU graphs by default, each its own (padding would cost
+# compute: at 9-16 rows the products are compute-bound). docs/kernel-choices.md, CPU graph
+# sizes.
 CPU_GRAPH_MAX_BATCH = 16
-# Larger decode batches record graphs at these sizes, a batch padded up to the next one
-# where that adds at most 1/8 of its rows (64 x (128 + 128) on the Q8_0 file ran 1.09x
-# faster end to end with a graph at 64 than piece by piece, benchmarks/ab_cpu_graph_sizes.py,
-# NOTES section 50; padding costs compute at these sizes).
+# Larger decode batches record graphs at these sizes, a batch padded up to the next one where
+# that adds at most 1/8 of its rows (64 x (128 + 128) on the Q8_0 file ran 1.09x faster end to
+# end with a graph at 64 than piece by piece, benchmarks/ab_cpu_graph_sizes.py,
+# docs/kernel-choices.md; padding costs compute at these sizes).
 CPU_GRAPH_LARGE_SIZES = (24, 32, 40, 48, 56, 64)
 CPU_GRAPH_MAX_PAD = 1 / 8
 
@@ -380,9 +381,9 @@ class ModelRunner:
         self._feed = feed
         try:
             if graph is not None:
-                # A recorded step calls no torch function on the way, not even inference
-                # mode's guard: right after the weights have streamed through the caches
-                # each such call costs tens of microseconds (benchmarks/NOTES.md, section 30).
+                # A recorded step calls no torch function on the way, not even inference mode's
+                # guard: right after the weights have streamed through the caches each such call
+                # costs tens of microseconds (docs/kernel-choices.md, Host time).
                 self._write_inputs(pad_decode_plan(plan, size), logits_rows=False)
                 if self.device.type == "cpu":
                     compilation_counter.num_cpu_graph_replays += 1

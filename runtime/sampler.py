@@ -164,10 +164,10 @@ class Sampler:
         eos_ids: frozenset[int] = frozenset(),
     ) -> SamplerOutput:
         if (view := self._cpu_view(logits)) is not None:
-            # The common decode step in as few calls as possible: each one is cold after
-            # the weights have streamed through the caches, and a cached view needs no
-            # torch call (`logits.dtype` and `.device` took ~40 us cold; NOTES sections 34
-            # and 42).
+            # The common decode step in as few calls as possible: each one is cold after the
+            # weights have streamed through the caches, and a cached view needs no torch call
+            # (`logits.dtype` and `.device` took ~40 us cold; docs/kernel-choices.md, Host
+            # time).
             if all(r.plain_greedy for r in requests):
                 return SamplerOutput(argmax_rows(view), [None] * len(requests))
             return self._sample_cpu(view, requests, eos_ids)
@@ -258,8 +258,8 @@ class Sampler:
     def _numpy(self, logits: torch.Tensor) -> Any:
         """`logits.numpy()`, kept while the same tensor comes back: a CPU graph returns
         its one output buffer every step, and after a batch-1 step has streamed the weights
-        through the caches a fresh `numpy()` costs ~70 us (NOTES section 30). Holds the
-        last step's logits until the next step's arrive. numpy's argmax is vectorized;
+        through the caches a fresh `numpy()` costs ~70 us (docs/kernel-choices.md, Host time).
+        Holds the last step's logits until the next step's arrive. numpy's argmax is vectorized;
         torch's takes ~10x longer on a 49k vocabulary. Ties: the first index."""
         if self._numpy_view is None or self._numpy_view[0] is not logits:
             self._numpy_view = (logits, logits.numpy())

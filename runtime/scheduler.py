@@ -6,6 +6,12 @@ then waiting requests in arrival order, as long as the token budget
 A long prompt is prefilled in chunks across steps. When blocks run out, the most recently
 admitted running request is preempted: its blocks are freed and it goes back to the front
 of the queue to be recomputed (prefix caching usually makes that cheap).
+
+Batch-invariant mode: a request's chunks are cut where a run alone cuts them, and a step
+holds either short queries only (at most ROWS_AS_DECODES tokens each and in all: decodes,
+verifications, short prompts) or long chunks only, the kinds taking turns. The products
+take one path per kind (exact row products for short steps, strips for long ones:
+`passes/ops/quant/formats.h` INVARIANT_ROWS), so a row's path never depends on the batch.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._long_step = False  # batch-invariant mode: this step's kind (long chunks)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -73,10 +80,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.config.invariant_chunk is not None:
+            self._long_step = self._next_step_is_long()
+            budget = budget if self._long_step else min(budget, ROWS_AS_DECODES)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        if self.config.invariant_chunk is not None and not self._long_step:
+            # More short queries than a step holds: the ones served go to the back.
+            served = {id(s.request) for s in out.scheduled}
+            self.running.sort(key=lambda r: id(r) in served)
         return out
+
+    def _next_step_is_long(self) -> bool:
+        """Batch-invariant mode: the next step's kind, the other one when both have work."""
+        kinds = set()
+        for req in self.running:
+            if self.max_model_len is None or not req.pending_ends_it(self.max_model_len):
+                remaining = req.num_scheduled_tokens - req.num_computed_tokens
+                kinds.add(self._natural_chunk(req, remaining) > ROWS_AS_DECODES)
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            kinds.add(self._natural_chunk(req, req.num_tokens) > ROWS_AS_DECODES)
+        if len(kinds) == 1:
+            return kinds.pop()
+        return not self._long_step
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -91,8 +119,8 @@ class Scheduler:
                 i += 1
                 continue
             # A decode's drafts ride along as far as the budget allows (in batch-invariant
-            # mode as far as its rows still attend as decodes).
-            room = budget if self.config.invariant_chunk is None else min(budget, ROWS_AS_DECODES)
+            # mode's short steps the budget is ROWS_AS_DECODES: they attend as decodes).
+            room = budget
             drafts = req.spec.drafts[: room - 1] if remaining == 1 else []
             num_new += len(drafts)
             while not self.block_manager.allocate_slots(
@@ -135,18 +163,23 @@ class Scheduler:
             budget -= num_new
 
     def _chunk(self, req: Request, remaining: int, budget: int) -> int:
-        """Tokens to compute for a request now. In batch-invariant mode a prompt is cut
-        where a run alone cuts it (whole chunks of `invariant_chunk` from its start, or
-        nothing) and never past its end; the tokens after it (a recompute after
-        preemption) go at most ROWS_AS_DECODES at a time, rows that attend as the decodes
-        that first computed them."""
-        size = self.config.invariant_chunk
-        if size is None:
+        """Tokens to compute for a request now. In batch-invariant mode its natural chunk
+        (`_natural_chunk`) if that is of this step's kind and fits, else none."""
+        if self.config.invariant_chunk is None:
             return min(remaining, budget)
+        chunk = self._natural_chunk(req, remaining)
+        if (chunk > ROWS_AS_DECODES) != self._long_step:
+            return 0
+        return chunk if chunk <= budget else 0
+
+    def _natural_chunk(self, req: Request, remaining: int) -> int:
+        """Batch-invariant mode: a prompt is cut where a run alone cuts it (whole chunks of
+        `invariant_chunk` from its start) and never past its end; the tokens after it (a
+        recompute after preemption) go at most ROWS_AS_DECODES at a time, rows that
+        attend as the decodes that first computed them."""
         done, prompt = req.num_computed_tokens, req.num_prompt_tokens
         limit = prompt - done if done < prompt else ROWS_AS_DECODES
-        chunk = min(remaining, size, limit)
-        return chunk if chunk <= budget else 0
+        return min(remaining, self.config.invariant_chunk, limit)
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)

@@ -114,26 +114,32 @@ def check_invariant_products(model: nn.Module, engine_config: EngineConfig) -> N
     from models.layers.linear import LinearBase
     from models.layers.quantization import formats_held
     from models.layers.vocab_embedding import ParallelLMHead
-    from passes.ops.invariant_mm import check_rows
+    from passes.ops.invariant_mm import LONG_ROWS, check_rows
 
     blocks = reads_blocks(engine_config)
-    shapes, dequantized = set(), False
+    shapes, long_shapes, dequantized = set(), set(), False
     for module in model.modules():
         if not isinstance(module, LinearBase | ParallelLMHead):
             continue
-        if formats_held(module):
-            if blocks:
-                continue  # its products read the blocks
-            dequantized = True
         if isinstance(module, LinearBase):  # this rank's slice of it
             k = getattr(module, "input_size_per_partition", module.input_size)
-            shapes.add((k, getattr(module, "output_size_per_partition", module.output_size)))
+            shape = (k, getattr(module, "output_size_per_partition", module.output_size))
         else:
-            shapes.add((module.embedding_dim, module.num_embeddings_per_partition))
+            shape = (module.embedding_dim, module.num_embeddings_per_partition)
+        held = formats_held(module)
+        if held and blocks:  # q4's long steps: a dense copy's GEMM in tall tiles
+            if isinstance(module, LinearBase) and any(f.bits == 4 for f, _ in held):
+                long_shapes.add(shape)
+            continue
+        dequantized = dequantized or bool(held)
+        shapes.add(shape)
     dtypes = {engine_config.model_config.dtype} | ({torch.float32} if dequantized else set())
     for k, n in sorted(shapes):
         for dtype in dtypes:
             check_rows(k, n, dtype, engine_config.device)
+    if engine_config.model_config.dtype == torch.bfloat16:
+        for k, n in sorted(long_shapes):
+            check_rows(k, n, torch.bfloat16, engine_config.device, LONG_ROWS)
     if blocks:
         check_invariant_blocks(model, engine_config)
 
@@ -144,7 +150,7 @@ def check_invariant_blocks(model: nn.Module, engine_config: EngineConfig) -> Non
     `model`, on its own weights, must give the first m rows the bits they get among 48."""
     from models.layers.quantization import formats_held, quant_fields
     from passes.ops import quantized
-    from passes.ops.invariant_mm import CHECKED_ROWS, NotBatchInvariant
+    from passes.ops.invariant_mm import NotBatchInvariant
 
     seen = set()
     g = torch.Generator().manual_seed(0)
@@ -158,13 +164,33 @@ def check_invariant_blocks(model: nn.Module, engine_config: EngineConfig) -> Non
             w = fields[0]
             k = w.shape[-1] * 2 if fmt.bits == 4 else quantized.q8_columns(w)
             x = torch.randn(48, k, generator=g).to(engine_config.model_config.dtype)
-            full = fmt.product(x, fields, invariant=True)
-            for m in CHECKED_ROWS:
-                if not torch.equal(fmt.product(x[:m], fields, invariant=True), full[:m]):
-                    raise NotBatchInvariant(
-                        f"batch_invariant: {m} rows of a q{fmt.bits} product of {key[1:]} "
-                        "read from the blocks get other bits than among 48 rows"
-                    )
+            if rows := invariant_rows_that_differ(fmt, fields, x):
+                raise NotBatchInvariant(
+                    f"batch_invariant: rows {rows} of a q{fmt.bits} product of {key[1:]} "
+                    "read from the blocks get other bits than in a 16-row call (up to 16) or "
+                    "among 48 rows (more)"
+                )
+
+
+def invariant_rows_that_differ(fmt, fields, x: torch.Tensor) -> list[tuple[int, int]]:
+    """(offset, rows) whose invariant product of x's rows gets other bits than their path
+    gives them elsewhere: up to INVARIANT_ROWS rows the row products (against a call of
+    that many rows), above it the strips (against all of x's 48 rows), at offsets 0 and 5."""
+    from passes.ops.invariant_mm import CHECKED_ROWS
+    from passes.ops.quantized import INVARIANT_ROWS
+
+    short = fmt.product(x[:INVARIANT_ROWS], fields, invariant=True)
+    full = fmt.product(x, fields, invariant=True)
+    differ = []
+    for start in (0, 5):
+        for m in CHECKED_ROWS:
+            want = short if m <= INVARIANT_ROWS else full
+            if m <= INVARIANT_ROWS and start + m > INVARIANT_ROWS:
+                continue
+            got = fmt.product(x[start : start + m], fields, invariant=True)
+            if not torch.equal(got, want[start : start + m]):
+                differ.append((start, m))
+    return differ
 
 
 class Worker:

@@ -90,7 +90,7 @@ def _alone(llm) -> dict:
 @pytest.fixture(scope="module")
 def invariant_llm(tiny_llama, tmp_path_factory):
     """A compiled engine in batch-invariant mode whose budget cuts the longer prompts into
-    chunks (40 tokens a step, 8 sequences: chunks of 32), and each request's result alone."""
+    chunks (40 tokens a step: chunks of 40), and each request's result alone."""
     from runtime import LLM
 
     llm = LLM(str(tiny_llama[0]), max_model_len=128, max_num_batched_tokens=40, max_num_seqs=8,
@@ -225,6 +225,9 @@ def _chunks(config, companions: int) -> list[int]:
     while long.num_computed_tokens < long.num_tokens:
         out = sched.schedule()
         chunks += [s.num_new_tokens for s in out.scheduled if s.request is long]
+        if config.scheduler_config.invariant_chunk is not None:  # one kind of rows a step
+            sizes = [s.num_new_tokens for s in out.scheduled]
+            assert all(n > 16 for n in sizes) or (max(sizes) <= 16 and sum(sizes) <= 16)
         sched.advance(out)
         for s in out.scheduled:  # each finished prompt gets one token, as a step gives
             if s.request.num_computed_tokens == s.request.num_tokens:
@@ -233,9 +236,10 @@ def _chunks(config, companions: int) -> list[int]:
 
 
 def test_a_prompt_is_chunked_where_it_is_chunked_alone(tiny_llama):
-    """The scheduler's part: chunks of 32 (a budget of 40 less 8 decode rows) for a
-    70-token prompt alone and beside others' prefill and decode rows; without the mode the
-    cuts move with the company (the control)."""
+    """The scheduler's part: chunks of 40 (the budget: long chunks run in steps of their
+    own) for a 70-token prompt alone and beside others' prefill and decode rows, every
+    step either short queries (at most 16 rows in all) or long chunks; without the mode
+    the cuts move with the company (the control)."""
     from runtime.llm import build_engine_config
 
     def config(invariant):
@@ -244,10 +248,10 @@ def test_a_prompt_is_chunked_where_it_is_chunked_alone(tiny_llama):
                                    compilation_config={"batch_invariant": invariant})  # fmt: skip
 
     invariant = config(True)
-    assert invariant.scheduler_config.invariant_chunk == 32
+    assert invariant.scheduler_config.invariant_chunk == 40
     assert not invariant.cache_config.enable_prefix_caching
     assert invariant.compilation_config.compile_sizes == []
-    assert [_chunks(invariant, n) for n in (0, 1, 3)] == [[32, 32, 6]] * 3
+    assert [_chunks(invariant, n) for n in (0, 1, 3)] == [[40, 30]] * 3
     assert _chunks(config(False), 0) != _chunks(config(False), 1)
 
 
@@ -273,7 +277,7 @@ def test_start_up_check_fails_closed_on_a_variant_gemm(monkeypatch, tiny_llama):
     monkeypatch.setattr(op, "check_rows", real)
     shape = (576, 1536)  # the default model's gate_up input
     op.check_rows(*shape, torch.float32)
-    monkeypatch.setattr(op, "invariant_mm", torch.mm)  # one call, any row count
+    monkeypatch.setattr(op, "invariant_mm", lambda a, b, tile: a @ b)  # one call, any rows
     a = torch.randn(48, shape[0])
     b = torch.randn(shape[0], shape[1])
     if all(torch.equal(torch.mm(a[:m], b), torch.mm(a, b)[:m]) for m in op.CHECKED_ROWS):

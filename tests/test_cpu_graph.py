@@ -144,8 +144,8 @@ class _TorchCalls(torch.overrides.TorchFunctionMode):
 
 def test_a_replayed_step_calls_no_torch_function_outside_the_graph(compiled, monkeypatch):
     """Right after the weights stream through the caches each torch call costs tens of
-    microseconds (NOTES section 30): the runner writes a replayed step's inputs through
-    numpy views and hands back the graph's own output buffer. The weight watch's reads
+    microseconds (docs/kernel-choices.md, Host time): the runner writes a replayed step's inputs
+    through numpy views and hands back the graph's own output buffer. The weight watch's reads
     (each tensor's version counter and address: C getters, no dispatch, ~0.06 us each) are
     counted apart."""
     runner = compiled.llm_engine.runner
@@ -443,8 +443,9 @@ def test_cpu_graphs_switch_off(tiny_llama, tmp_path):
 
 def test_cpp_wrapper_turns_cpu_graphs_off():
     """Inductor's C++ wrapper calls its kernels from C, where no capture sees them: a graph
-    would replay the native ops alone, so the combination is switched off, not attempted
-    (the capture happened to refuse it for an unrelated `detach_`, NOTES 48)."""
+    would replay the native ops alone, so the combination is switched off, not attempted (the
+    capture happened to refuse it for an unrelated `detach_`; docs/kernel-choices.md, Inductor's
+    C++ wrapper)."""
     from compilecore.config import CompilationConfig
 
     assert CompilationConfig().cpu_graphs

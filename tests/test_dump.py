@@ -99,8 +99,13 @@ def test_dump_has_every_file(dumps):
     rank = dumps["off1"] / "rank_0"
     program = (rank / "cpu_graphs" / "size_1.txt").read_text().splitlines()
     assert sum("CPU attention (decode)" in line for line in program) == layers
-    assert sum("<- compilecore::unified_attention_with_output (model.layers." in line
-               for line in program) == 2 * layers  # write and decode, layer by layer
+    assert (
+        sum(
+            "<- compilecore::unified_attention_with_output (model.layers." in line
+            for line in program
+        )
+        == 2 * layers
+    )  # write and decode, layer by layer
     assert any("region 1 (team of" in line for line in program)
     assert "Inductor kernel" in program[1] and "(plain)" in program[1]
     data = json.loads((rank / "report.json").read_text())["cpu_graphs"]["size_1"]

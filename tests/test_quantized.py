@@ -467,11 +467,25 @@ def _rows_that_differ(kind, fields, dtype, invariant):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", sorted(_invariance_cases()))
 def test_invariant_products_give_a_row_its_bits_at_every_row_count(case, dtype):
-    """`invariant=True` (batch-invariant mode): every row count takes the row products,
-    exact (no int8 activations, no strips, no dense GEMM), so a row's bits never depend
-    on the other rows."""
+    """`invariant=True` (batch-invariant mode): no int8 activations; up to INVARIANT_ROWS
+    rows the exact row products, above it the strips, each giving a row the same bits at
+    any row count and offset (the scheduler keeps the two kinds of rows in separate
+    steps); what the worker checks at start on a model's own weights."""
+    from models.layers.quantization import QuantFormat
+    from runtime.worker import invariant_rows_that_differ
+
     kind, fields = _invariance_cases()[case]
-    assert _rows_that_differ(kind, fields, dtype, invariant=True) == []
+    assert quantized.kernel_invariant_rows() in (None, quantized.INVARIANT_ROWS)
+    k = quantized.q8_columns(fields[0]) if kind == "q8" else fields[0].shape[-1] * 2
+    x = torch.randn(48, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    fmt = QuantFormat(4 if kind == "q4" else 8, 32)
+    assert invariant_rows_that_differ(fmt, fields, x) == []
+    op = ops.q4_linear if kind == "q4" else ops.q8_linear
+    full = op(x, *fields, None, None, True, True)
+    for start in range(0, 48 - 17, 3):  # the strips at any offset and count
+        for m in (17, 20, 25, 31 - start % 8):
+            got = op(x[start : start + m], *fields, None, None, True, True)
+            assert torch.equal(got, full[start : start + m]), (start, m)
 
 
 def test_the_default_products_depend_on_the_row_count():

@@ -108,7 +108,8 @@ def _fake_unified_attention_with_output(
 
 
 # Registered through `torch.library.Library` rather than the `custom_op` decorator: the
-# decorator's Python wrapper costs ~8 us a call, 30 times a decode step (benchmarks/NOTES.md).
+# decorator's Python wrapper costs ~8 us a call, 30 times a decode step (docs/kernel-choices.md,
+# Library registration).
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define(
     "unified_attention_with_output(Tensor q, Tensor k, Tensor v, Tensor(a!) output, "

@@ -23,8 +23,8 @@ class LogitsProcessor(nn.Module):
     `int8_activations`, unless the runtime gives it `quantized_product` (the compiler's
     own, where our kernels do not run)."""
 
-    # One row: a reduction over several rows re-reads the weight per row (batch-4 decode
-    # 120 -> 137 tok/s with F.linear instead, benchmarks/NOTES.md section 20).
+    # One row: a reduction over several rows re-reads the weight per row (batch-4 decode 120 ->
+    # 137 tok/s with F.linear instead, docs/kernel-choices.md, Static-size code).
     SMALL_BATCH = 1
 
     def __init__(

@@ -71,8 +71,9 @@ def _fake(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-# Through `torch.library.Library`, not the `custom_op` decorator, whose Python wrapper
-# costs ~8 us a call (NOTES section 9): the symbolic-size code calls it 2L times a step.
+# Through `torch.library.Library`, not the `custom_op` decorator, whose Python wrapper costs ~8
+# us a call (docs/kernel-choices.md, Library registration): the symbolic-size code calls it 2L
+# times a step.
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define(
     "fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"

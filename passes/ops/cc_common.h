@@ -39,11 +39,12 @@ inline Share share(int64_t n) {
 
 // The smallest run of weight rows, as a count of rows, that `schedule(guided, ...)` hands a
 // thread: 16 KB, so each run is a stream the prefetcher follows. Why guided and not a
-// static half each: which of two threads finishes a product first changes from call to
-// call (the memory serves them unevenly), and the other waited at the barrier after it;
-// guided hands out half, then a quarter, ... and the first thread done takes what is
-// left, a handful of shared counter updates a product (NOTES 54: a Q8_0 batch-1 step
-// 1.06-1.10x in a slow hour, 1.00x in a fast one; fixed chunks had lost, NOTES 34).
+// static half each: which of two threads finishes a product first changes from call to call
+// (the memory serves them unevenly), and the other waited at the barrier after it; guided
+// hands out half, then a quarter, ... and the first thread done takes what is left, a
+// handful of shared counter updates a product (a Q8_0 batch-1 step 1.06-1.10x in a slow
+// hour, 1.00x in a fast one; fixed chunks had lost: docs/kernel-choices.md, Quantized row
+// products).
 inline int64_t guided_rows(int64_t row_bytes) {
   return 16384 / row_bytes > 1 ? 16384 / row_bytes : 1;
 }

@@ -2,12 +2,13 @@
 // head's matrix-vector product at batch 1, on the weight as loaded.
 //
 // One weight row at a time, so each thread reads one sequential run of rows: interleaving
-// rows split the stream and lost ~30% (NOTES section 15). `vdpbf16ps` takes 32 weights
-// and 32 x values a load (pairs multiplied exactly, summed in fp32) into four independent
-// accumulators, so neither conversions nor one accumulator's latency chain slow a thread
-// when memory delivers at its fastest: over the LM head's 56.6 MB this loop read at the
-// speed of a plain sum, where Inductor's loop (bf16 -> fp32 conversions, one dependent
-// add per 16 weights) read at ~0.75 of it in the same minutes (NOTES section 30).
+// rows split the stream and lost ~30% (docs/kernel-choices.md, The LM head). `vdpbf16ps`
+// takes 32 weights and 32 x values a load (pairs multiplied exactly, summed in fp32) into
+// four independent accumulators, so neither conversions nor one accumulator's latency chain
+// slow a thread when memory delivers at its fastest: over the LM head's 56.6 MB this loop
+// read at the speed of a plain sum, where Inductor's loop (bf16 -> fp32 conversions, one
+// dependent add per 16 weights) read at ~0.75 of it in the same minutes
+// (docs/kernel-choices.md).
 #include <cmath>
 
 #include "cc_common.h"
@@ -156,10 +157,10 @@ int64_t gemv_screen_available() {
 //
 // Screened: an int8 copy of w (q [N, Kp], per row `meta` = scale, |w - q * scale|, |q *
 // scale|, sum of q) bounds every logit; rows whose upper bound cannot reach the largest
-// lower bound get -inf, the rest their exact logit from w. A row left out is below some
-// row kept even after rounding (`slack` covers both loops' fp32 error), so the argmax --
-// ties included, the first index wins -- is the full product's. Reads the half-size
-// copy, not w: ~0.5x the head's bytes (benchmarks/NOTES.md, section 40).
+// lower bound get -inf, the rest their exact logit from w. A row left out is below some row
+// kept even after rounding (`slack` covers both loops' fp32 error), so the argmax -- ties
+// included, the first index wins -- is the full product's. Reads the half-size copy, not w:
+// ~0.5x the head's bytes (docs/kernel-choices.md, The LM head).
 void gemv_head_bf16(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, float* y,
                     int64_t M, int64_t N, int64_t K, int64_t threads, const int8_t* q,
                     int64_t Kp, const float* meta, int64_t slack_bits,

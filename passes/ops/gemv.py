@@ -153,8 +153,8 @@ def _fake_gemv_logits(
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
 
-# Through `torch.library.Library`, not the `custom_op` decorator, whose Python wrapper
-# costs ~8 us a call (NOTES section 9).
+# Through `torch.library.Library`, not the `custom_op` decorator, whose Python wrapper costs ~8
+# us a call (docs/kernel-choices.md, Library registration).
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("gemv_logits(Tensor x, Tensor w, Tensor? argmax_only=None) -> Tensor")
 _LIB.impl("gemv_logits", gemv_logits, "CPU")

@@ -23,17 +23,23 @@ from passes.ops.triton_utils import HAS_TRITON
 ROWS = 16
 
 
-def padded_rows(m: int) -> int:
-    return max(ROWS, -(-m // ROWS) * ROWS)
+# Batch-invariant mode's long steps (prefill chunks: `quantized.q4_linear`) call it on
+# tiles this tall: each tile reads the weight once, and 16-row tiles read a 1024-row
+# prefill's weights 64 times.
+LONG_ROWS = 64
 
 
-def invariant_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    m, rows = a.shape[0], padded_rows(a.shape[0])
+def padded_rows(m: int, tile: int = ROWS) -> int:
+    return max(tile, -(-m // tile) * tile)
+
+
+def invariant_mm(a: torch.Tensor, b: torch.Tensor, tile: int = ROWS) -> torch.Tensor:
+    m, rows = a.shape[0], padded_rows(a.shape[0], tile)
     full = a.new_zeros(rows, a.shape[1])
     full[:m] = a  # contiguous whatever a's strides: one layout, one kernel
     out = a.new_empty(rows, b.shape[1])
-    for i in range(0, rows, ROWS):
-        torch.mm(full[i : i + ROWS], b, out=out[i : i + ROWS])
+    for i in range(0, rows, tile):
+        torch.mm(full[i : i + tile], b, out=out[i : i + tile])
     return out[:m]
 
 
@@ -45,22 +51,29 @@ class NotBatchInvariant(RuntimeError):
     """This machine's GEMM gives a row other bits beside other rows, even one tile a call."""
 
 
-def check_rows(k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-    """Fail closed: `invariant_mm` of the first m rows, for each m in CHECKED_ROWS, must
-    give exactly the bits those rows get among 48 (a library whose kernel for a whole tile
-    still depends on the row count, or a build that changed it, would make batch-invariant
+def check_rows(
+    k: int, n: int, dtype: torch.dtype, device: torch.device | str = "cpu", tile: int = ROWS
+) -> None:
+    """Fail closed: `invariant_mm` (tiles of `tile` rows) of m rows, for each m in
+    CHECKED_ROWS and past a tile, at offsets 0 and 5, must give exactly the bits those
+    rows get among 3 tiles' rows (a library whose kernel for a whole tile still depends on
+    the row count or a row's place, or a build that changed it, would make batch-invariant
     mode quietly variant). Raises NotBatchInvariant naming the shape."""
     g = torch.Generator(device=device).manual_seed(k * 31 + n)
-    a = torch.randn(48, k, generator=g, device=device).to(dtype)
+    total = 3 * tile
+    a = torch.randn(total, k, generator=g, device=device).to(dtype)
     b = torch.randn(k, n, generator=g, device=device).to(dtype)
-    full = invariant_mm(a, b)
-    for m in CHECKED_ROWS:
-        if not torch.equal(invariant_mm(a[:m], b), full[:m]):
-            raise NotBatchInvariant(
-                f"batch_invariant: {m} rows of a [{k} x {n}] {dtype} product get other bits "
-                f"than the same rows among 48, even called a tile of {ROWS} rows at a time: this "
-                "machine's GEMM cannot keep batch invariance (run without batch_invariant)"
-            )
+    full = invariant_mm(a, b, tile)
+    for start in (0, 5):
+        for m in (*CHECKED_ROWS, tile + 1, 2 * tile - 1):
+            got = invariant_mm(a[start : start + m], b, tile)
+            if not torch.equal(got, full[start : start + m]):
+                raise NotBatchInvariant(
+                    f"batch_invariant: {m} rows of a [{k} x {n}] {dtype} product get other "
+                    f"bits than the same rows among {total}, even called a tile of {tile} rows "
+                    "at a time: this machine's GEMM cannot keep batch invariance (run "
+                    "without batch_invariant)"
+                )
 
 
 # The Triton kernel's tile: fixed, whatever the rows (16: tl.dot's smallest).

@@ -1,11 +1,11 @@
 // The CPU kernels of a decoder layer's batch-1 ops, each a team function: the batch-1
 // product (`compilecore.linear`), add + RMSNorm, SiLU-and-mul and QKV split + RoPE.
 //
-// Every function here is called on every thread of a parallel region and splits its work
-// by `omp_get_thread_num()`: a CPU graph (compilecore/cpu_graph.py) calls a run of them in
-// one OpenMP team with a barrier between calls, so a piece's ops and the attention between
+// Every function here is called on every thread of a parallel region and splits its work by
+// `omp_get_thread_num()`: a CPU graph (compilecore/cpu_graph.py) calls a run of them in one
+// OpenMP team with a barrier between calls, so a piece's ops and the attention between
 // pieces run as one parallel region; `*_bf16` opens a region of its own for eager calls.
-// Why a region and not one op per layer: NOTES sections 31 and 44.
+// Why a region and not one op per layer: docs/kernel-choices.md, The layer region.
 //
 // Rounding follows the unfused graph: every product, add, norm and activation result is
 // rounded to bf16; accumulation and the norm's statistics are fp32.
@@ -74,9 +74,9 @@ inline float dot_loop(const float* x, const bf16* w, int64_t K) {
 
 // How far ahead of its loads a product asks for weights (bytes), or 0; set by the build
 // (passes/native.py: 4 KB on Intel CPUs). On the AMX Xeon the unrolled rows below read at
-// ~0.8x a plain sum over the same bytes without it and at the sum's speed with it (the
-// L2's own prefetcher falls behind a loop that does work per line); on the EPYC the same
-// prefetch read slower (benchmarks/NOTES.md, sections 32 and 42).
+// ~0.8x a plain sum over the same bytes without it and at the sum's speed with it (the L2's
+// own prefetcher falls behind a loop that does work per line); on the EPYC the same
+// prefetch read slower (docs/kernel-choices.md, Prefetch).
 #ifndef CC_PREFETCH
 #define CC_PREFETCH 0
 #endif
@@ -84,8 +84,8 @@ inline float dot_loop(const float* x, const bf16* w, int64_t K) {
 // The same row with K known when compiling: fully unrolled over four accumulators. A loop
 // that exits after every row (~1 KB) streamed ~10% slower in minutes when memory is fast,
 // and one accumulator's chain of adds caps a core near the rate such a minute delivers
-// (benchmarks/NOTES.md, section 33). PF: prefetch CC_PREFETCH bytes ahead, one line at a
-// time (into L2: a prefetch into L1 as well read slower).
+// (docs/kernel-choices.md, Quantized row products). PF: prefetch CC_PREFETCH bytes ahead,
+// one line at a time (into L2: a prefetch into L1 as well read slower).
 template <int64_t K, bool PF>
 inline float dot_fixed(const float* x, const bf16* w, const char* pf) {
 #if defined(__AVX512F__)
@@ -241,9 +241,9 @@ int64_t layer_kernels_unrolled(int64_t K) {
   return 0;
 }
 
-// y [1, N] = bf16(x [1, K] . w[n] (+ bias[n])), w [N, K] row-major, bias null or [N];
-// each thread a few sequential runs of rows (one weight stream at a time: NOTES section
-// 39), handed out by the guided schedule (`guided_rows`).
+// y [1, N] = bf16(x [1, K] . w[n] (+ bias[n])), w [N, K] row-major, bias null or [N]; each
+// thread a few sequential runs of rows (one weight stream at a time:
+// docs/kernel-choices.md, Prefetch), handed out by the guided schedule (`guided_rows`).
 void linear_team_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t N,
                       int64_t K) {
   float* xf = scratch(K + 64);

@@ -31,8 +31,8 @@ def _fake_linear(x, w, bias=None):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-# Through `torch.library.Library`, not the `custom_op` decorator, whose Python wrapper
-# costs ~8 us a call (NOTES section 9).
+# Through `torch.library.Library`, not the `custom_op` decorator, whose Python wrapper costs ~8
+# us a call (docs/kernel-choices.md, Library registration).
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor")
 _LIB.impl("linear", linear, "CPU")

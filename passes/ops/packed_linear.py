@@ -7,9 +7,10 @@ weight is prepared once and kept as the weight's derived copy (`passes/ops/deriv
 made again when the weight changes, freed with it), for one of two kernels:
 
 - `packed_mm.cpp` (bf16, AVX512-BF16 without AMX, every row count): our tiles of 16 rows
-  x 16 columns on a `vdpbf16ps`-friendly layout. Over the model's GEMM shapes it ran
-  1.2-1.7x oneDNN's reordered product from 1 to 32 rows, 1.06x at 64-128, and tied it at
-  512 (NOTES section 27). Its call is declared to CPU graphs as it is made.
+  x 16 columns on a `vdpbf16ps`-friendly layout. Over the model's GEMM shapes it ran 1.2-1.7x
+  oneDNN's reordered product from 1 to 32 rows, 1.06x at 64-128, and tied it at 512
+  (docs/kernel-choices.md, Packed weights for batches). Its call is declared to CPU graphs as it
+  is made.
 - oneDNN on its blocked layout (`_reorder_linear_weight`) everywhere else (fp16, CPUs
   without AVX512-BF16, AMX, whose tiles beat any vector kernel): inside a CPU-graph
   replay through AOTInductor's C shim (`onednn_shim`), the call the op declares.
@@ -29,14 +30,14 @@ from passes.native_calls import NativeCall, Unrecordable
 from passes.ops import derived, onednn_shim
 
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
-# from 2 to 2048 rows (section 23), so one copy serves every batch.
+# from 2 to 2048 rows, so one copy serves every batch.
 PACK_BATCH_HINT = 2048
 
 
 class _HugePageArena:
     """64-byte-aligned buffers carved from 2 MiB-aligned chunks advised MADV_HUGEPAGE. The
-    packed copies are streamed as the weights are (section 16): from huge pages decode
-    batches of 2-8 ran 1.05-1.13x faster end to end (section 28). A chunk is freed when no
+    packed copies are streamed as the weights are: from huge pages decode batches of 2-8 ran
+    1.05-1.13x faster end to end (docs/kernel-choices.md, Huge pages). A chunk is freed when no
     buffer carved from it is left."""
 
     CHUNK = 32 << 20
@@ -79,9 +80,9 @@ def _kernel() -> ctypes.CDLL | None:
 
 def uses_own_kernel(dtype: torch.dtype) -> bool:
     """Whether products with this weight dtype run `packed_mm.cpp` (else oneDNN): bf16
-    with AVX512-BF16 and no AMX. On an AMX Xeon oneDNN's tiles ran the model's products
-    at 16 rows 5.5x faster than our vector loop, and from 2 rows on faster (NOTES
-    section 41)."""
+    with AVX512-BF16 and no AMX. On an AMX Xeon oneDNN's tiles ran the model's products at 16
+    rows 5.5x faster than our vector loop, and from 2 rows on faster (docs/kernel-choices.md,
+    Packed weights for batches)."""
     return dtype == torch.bfloat16 and not has_amx() and _kernel() is not None
 
 
@@ -169,7 +170,8 @@ def _fake_packed_mm(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor
 
 
 # Registered through `torch.library.Library`, not the `custom_op` decorator, whose Python
-# wrapper costs ~8 us a call (NOTES section 9): a batched decode step makes 121 of them.
+# wrapper costs ~8 us a call (docs/kernel-choices.md, Library registration): a batched decode
+# step makes 121 of them.
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("packed_mm(Tensor x, Tensor w, Tensor? bias=None) -> Tensor")
 _LIB.impl("packed_mm", packed_mm, "CPU")

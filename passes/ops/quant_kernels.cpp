@@ -67,7 +67,8 @@ namespace {
 #endif
 
 // y[m, n] = out[m] (+ bias[n]), the bias added in fp32 with one rounding (as addmm).
-// Inlined: left a call, the 135M's short Q8_0 rows (K = 576) ran 0.95x (NOTES 55).
+// Inlined: left a call, the 135M's short Q8_0 rows (K = 576) ran 0.95x
+// (docs/kernel-choices.md, Quantized row products).
 __attribute__((always_inline)) inline void store(void* y, int64_t flags, const void* bias,
                                                   int64_t N, int64_t n, int64_t m0, int64_t mb,
                                                   const float* out) {
@@ -91,9 +92,10 @@ inline void store_strip(void* y, int64_t flags, const void* bias, int64_t N, int
   }
 }
 
-// Rows [n0, N) of w against one row of x, the team's share (guided): `row(n)` is output
-// n. A loop of its own: the general row loop's per-row dispatch (on the format, the group
-// and the rows of x) cost the 135M's short rows ~10% end to end (NOTES 55).
+// Rows [n0, N) of w against one row of x, the team's share (guided): `row(n)` is output n.
+// A loop of its own: the general row loop's per-row dispatch (on the format, the group and
+// the rows of x) cost the 135M's short rows ~10% end to end (docs/kernel-choices.md,
+// Quantized row products).
 template <typename Row>
 inline void one_row_loop(int64_t row_bytes, int64_t n0, int64_t N, void* y, int64_t flags,
                          const void* bias, Row row) {
@@ -105,10 +107,11 @@ inline void one_row_loop(int64_t row_bytes, int64_t n0, int64_t N, void* y, int6
 }
 
 // Which path a call takes for bf16 activations: the exact bf16 path where AVX512-BF16
-// builds (q4: groups of 32-512 values, powers of two, so that 16 runs start on a group;
-// q8: groups of 32, 16 or the whole row), else for groups of 32 the integer one
-// (AVX512-VNNI; it cost Q8_0 1.5% perplexity: NOTES 45) only where the caller allows int8
-// activations (`int8_ok`, flags bit 5: `PassConfig.int8_activations`); otherwise fp32.
+// builds (q4: groups of 32-512 values, powers of two, so that 16 runs start on a group; q8:
+// groups of 32, 16 or the whole row), else for groups of 32 the integer one (AVX512-VNNI;
+// it cost Q8_0 1.5% perplexity: docs/kernel-choices.md, Int8 activations) only where the
+// caller allows int8 activations (`int8_ok`, flags bit 5: `PassConfig.int8_activations`);
+// otherwise fp32.
 enum class Path { fp32, bf16, int8 };
 
 inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g, bool int8_ok) {
@@ -121,15 +124,16 @@ inline Path choose(bool q4, int64_t bf, int64_t K, int64_t g, bool int8_ok) {
 }
 
 // The row products are templates on a block's row count (accumulators in registers), so
-// each path dispatches on mb itself: one generic lambda doing it for all four cost the
-// q8 product 10-15% at 4 rows (the same-process A/B of NOTES 46).
-// Compact (S = float): `scales` and `mins` point at compact rows (`CompactScales`), which
-// are decoded a row (or a strip's rows) at a time; otherwise rows of S [N, groups].
+// each path dispatches on mb itself: one generic lambda doing it for all four cost the q8
+// product 10-15% at 4 rows (docs/kernel-choices.md, Quantized row products). Compact (S =
+// float): `scales` and `mins` point at compact rows (`CompactScales`), which are decoded a
+// row (or a strip's rows) at a time; otherwise rows of S [N, groups].
 template <bool Q4, typename S, bool Compact = false>
 void product_team(const void* x, int64_t flags, const void* w, const S* scales, const S* mins,
                   const void* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t g) {
-  // Batch-invariant mode (flags bit 7): one path at every row count, so that a row's bits
-  // never depend on the other rows: the row products, without int8 activations or strips.
+  // Batch-invariant mode (flags bit 7): no int8 activations; the row products up to
+  // INVARIANT_ROWS rows, the strips above, so that a row's bits never depend on the other
+  // rows of its step (tests/test_quantized.py).
   if (flags & 128) flags &= ~int64_t(32);
   const int64_t bf = flags & 1;
   Path path = choose(Q4, bf, K, g, flags & 32);
@@ -141,11 +145,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
   const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
-  const bool strips = path == Path::bf16 && M >= tiled_rows && N >= TILE_N && !(flags & 128);
+  const bool strips = path == Path::bf16 && N >= TILE_N &&
+                      ((flags & 128) ? M > INVARIANT_ROWS : M >= tiled_rows);
   // Q8_0 with int8 activations where the caller allows it (flags bit 5), as llama.cpp
   // multiplies: its strips from 6 rows, the integer row product up to INT8_ROWS_Q8 rows
   // (1.01-1.22x the exact one end to end at batch 1 on the 1.7B file, by how fast the
-  // memory is: NOTES 55); the exact row product between.
+  // memory is: docs/kernel-choices.md, Int8 activations); the exact row product between.
   const bool int8_x = !Q4 && g == 32 && (flags & 32) && path == Path::bf16;
   const bool int8_strips = CC_INT8_STRIPS && strips && int8_x;
   // q4 with int8 activations where the caller allows it (the K-quants' products), for the
@@ -303,7 +308,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   }
 #endif
   // One row of x: a loop of its own (q4 through it ran 0.87-1.07x, by how the compiler
-  // inlined it: NOTES 55)
+  // inlined it: docs/kernel-choices.md)
   if constexpr (!Q4) {
     if (path == Path::bf16 && M == 1 && !six) {
       auto fields = [&](int64_t n) {
@@ -478,6 +483,7 @@ int64_t quant_kernels_int8_strips() { return CC_INT8_STRIPS; }
 // Rows up to which Q8_0's row products take int8 activations where the caller allows them
 // (AVX512-VNNI with AVX512-BF16, or AVX2); 0 where none do.
 int64_t quant_kernels_int8_rows() { return CC_INT8_STRIPS || CC_AVX2_ROWS ? INT8_ROWS_Q8 : 0; }
+int64_t quant_kernels_invariant_rows() { return INVARIANT_ROWS; }
 
 // The path a call with bf16 activations takes (`choose`): 0 fp32, 1 bf16, 2 int8; the
 // Python side asks rather than repeating the rule.

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from passes import native, native_calls
 from passes.native_calls import NativeCall
+from passes.ops.invariant_mm import LONG_ROWS, invariant_mm
 from passes.ops.quant_layout import GROUPS_PER_SUPER, groups_of, is_compact
 from passes.ops.triton_utils import HAS_TRITON
 
@@ -43,13 +44,14 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # Rows up to which the products read the blocks directly (exact, bound by reading the
 # weight); more rows are compute-bound and dequantize once (this file's kernel) into a
 # dense GEMM. With bf16 x the dense path rounds each q4 value to bf16 (Q4_1's perplexity:
-# unchanged, NOTES 46). Q8_0's values have up to 19 bits, and rounding them moved 43% of a
-# product's outputs off the exact one's rounding, so q8's dense path multiplies [x | x]
-# by a split [hi | lo] copy (16 bits, twice the GEMM's work). Where the kernel multiplies
-# the blocks' integers in bf16 (AVX512-BF16, `BF16_ROWS`), its strips of 16 weight rows
-# (8 rows of x and more) beat the dense path for q4 up to 64 rows (1.09x there, 0.86x at
-# 128) and for q8 at every row count measured, 64-2048 (1.44-1.97x): NOTES 49. Never
-# below 16, the CPU graphs' largest batch, whose replays take team calls only.
+# unchanged, docs/kernel-choices.md, Int8 activations). Q8_0's values have up to 19 bits, and
+# rounding them moved 43% of a product's outputs off the exact one's rounding, so q8's dense
+# path multiplies [x | x] by a split [hi | lo] copy (16 bits, twice the GEMM's work). Where the
+# kernel multiplies the blocks' integers in bf16 (AVX512-BF16, `BF16_ROWS`), its strips of 16
+# weight rows (8 rows of x and more) beat the dense path for q4 up to 64 rows (1.09x there,
+# 0.86x at 128) and for q8 at every row count measured, 64-2048 (1.44-1.97x):
+# docs/kernel-choices.md, Strips. Never below 16, the CPU graphs' largest batch, whose replays
+# take team calls only.
 MAX_KERNEL_ROWS = MappingProxyType({4: 32, 8: 128})
 BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
 # The fp32 path (AVX2 + FMA): q8's row products lose to MKL's fp32 GEMM on the dequantized
@@ -119,8 +121,8 @@ def unpack_q6(w: torch.Tensor) -> torch.Tensor:
 
 def q4_int8_x(scales: torch.Tensor, int8_x: bool) -> bool:
     """Whether a q4 product with these scales takes int8 activations where `int8_x` allows
-    them: the K-quants' (compact) only, as llama.cpp multiplies Q4_K; Q4_0 / Q4_1 stay
-    exact (int8 cost the shipped Q4_1 model 1.2% perplexity, NOTES 45)."""
+    them: the K-quants' (compact) only, as llama.cpp multiplies Q4_K; Q4_0 / Q4_1 stay exact
+    (int8 cost the shipped Q4_1 model 1.2% perplexity, docs/kernel-choices.md)."""
     return bool(int8_x) and is_compact(scales)
 
 
@@ -158,7 +160,8 @@ def _kernel() -> ctypes.CDLL | None:
         Path(__file__).with_name("quant_kernels.cpp"), "quant_kernels_available", (),
         ("q4_linear_team(i64 x11)", "q4_linear_region(i64 x12)", "q8_linear_team(i64 x10)",
          "q8_linear_region(i64 x11)", "quant_kernels_path(i64 x4) -> i64",
-         "quant_kernels_int8_rows() -> i64", "dequantize_q4_region(i64 x9)",
+         "quant_kernels_int8_rows() -> i64", "quant_kernels_invariant_rows() -> i64",
+         "dequantize_q4_region(i64 x9)",
          "dequantize_q8_region(i64 x8)"),
     )  # fmt: skip
 
@@ -241,6 +244,19 @@ def int8_strips() -> bool:
     return lib is not None and bool(lib.quant_kernels_int8_strips())
 
 
+# Batch-invariant mode (`invariant=True`): up to this many rows the exact row products,
+# above it the strips; each path gives a row the same bits at any row count and offset,
+# and the scheduler keeps short queries (decodes, verifications) and long chunks in
+# separate steps (runtime/scheduler.py). The kernels' INVARIANT_ROWS (quant/formats.h).
+INVARIANT_ROWS = 16
+
+
+def kernel_invariant_rows() -> int | None:
+    """The kernels' own INVARIANT_ROWS (None where they do not build): must equal ours."""
+    lib = _kernel()
+    return None if lib is None else int(lib.quant_kernels_invariant_rows())
+
+
 @functools.cache
 def int8_rows() -> int:
     """Rows up to which `q8_linear(..., int8_x=True)` quantizes bf16 activations in Q8_0's
@@ -256,6 +272,19 @@ def _bf16_path(bits: int, k: int, group: int) -> bool:
     """Whether the kernel takes bf16 activations on its exact bf16 path for this shape."""
     lib = _kernel()
     return lib is not None and lib.quant_kernels_path(int(bits == 4), k, group, 0) == 1
+
+
+def _invariant_dense(x: torch.Tensor, bits: int, scales: torch.Tensor) -> bool:
+    """Batch-invariant mode's long steps take a dense GEMM where the default does at many
+    rows (q4 on bf16 x, `BF16_ROWS`; q8's strips win at every row count there)."""
+    return (
+        x.shape[0] > INVARIANT_ROWS
+        and BF16_ROWS[bits] is not None
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and bf16_gemm_is_native()
+        and _bf16_path(bits, x.shape[-1], x.shape[-1] // groups_of(scales))
+    )
 
 
 def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
@@ -361,9 +390,16 @@ def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invar
     """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias). `int8_x`: with bf16 x, on
     CPUs with AVX512-BF16 and AVX512-VNNI, the row products (below the strips' 8 rows) may
     quantize x to int8 per run of 32, as llama.cpp multiplies its K-quants (the pass asks
-    for it for Q4_K's: NOTES 56), within the same bound as Q8_0's (tests/test_quantized.py).
-    `invariant` (batch-invariant mode): a row's bits the same at every row count (the row
-    products for all rows, never the dense copy's GEMM)."""
+    for it for Q4_K's: docs/kernel-choices.md, Int8 activations), within the same bound as
+    Q8_0's (tests/test_quantized.py).
+    `invariant` (batch-invariant mode): a row's bits never depend on the other rows: the
+    exact row products up to INVARIANT_ROWS rows, above it (a long prefill chunk's step,
+    where bf16 GEMMs are native) the dense copy's GEMM one tile of LONG_ROWS a call
+    (`invariant_mm`), as the default takes it past 64 rows."""
+    if invariant and _invariant_dense(x, 4, scales):
+        weight = dequantize_q4(w, scales, mins, torch.bfloat16)
+        y = invariant_mm(x, weight.t(), LONG_ROWS)
+        return y if bias is None else y + bias
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q4_call((x, w, scales, mins, bias, out_dtype, int8_x, invariant), y)
     if call is None:  # many rows (a prefill): one dense copy, then the dense product
@@ -377,11 +413,11 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=F
     """y [M, N] = x @ dequantize_q8(w, scales)^T (+ bias). `int8_x`: for Q8_0 (bf16 x,
     groups of 32, AVX512-BF16 and AVX512-VNNI) x may be quantized to int8 per run of 32 as
     llama.cpp does: its strips (6 rows and more) 1.5x the exact products' speed, its row
-    products for 1-2 rows 1.01-1.22x (NOTES 55), within ~1% of the largest output
-    (tests/test_quantized.py bounds it); 3-5 rows (where the integer row product was
-    slower) and the rows past a whole number of strips (a strip: 16 weight rows) stay
-    exact. Q6_K's 6-bit values take it in their row products (1-5 rows: NOTES 56).
-    `invariant`: as `q4_linear`'s."""
+    products for 1-2 rows 1.01-1.22x (docs/kernel-choices.md), within ~1% of the largest output
+    (tests/test_quantized.py bounds it); 3-5 rows (where the integer row product was slower) and
+    the rows past a whole number of strips (a strip: 16 weight rows) stay exact. Q6_K's 6-bit
+    values take it in their row products (1-5 rows; docs/kernel-choices.md). `invariant`: as
+    `q4_linear`'s."""
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q8_call((x, w, scales, bias, out_dtype, int8_x, invariant), y)
     if call is None:
@@ -432,7 +468,8 @@ def _fake_dequantize_q8(w, scales, dtype):
     return w.new_empty(*w.shape[:-1], q8_columns(w), dtype=dtype)
 
 
-# Through `torch.library.Library` (no Python wrapper per call; NOTES section 9).
+# Through `torch.library.Library` (no Python wrapper per call; docs/kernel-choices.md, Library
+# registration).
 _LIB = torch.library.Library("compilecore", "FRAGMENT")
 _LIB.define("dequantize_q4(Tensor w, Tensor scales, Tensor mins, ScalarType dtype) -> Tensor")
 _LIB.define("dequantize_q8(Tensor w, Tensor scales, ScalarType dtype) -> Tensor")

@@ -3,16 +3,16 @@
 registers, so a decode step streams the blocks' bytes instead of a dequantized copy.
 
 Unfused (what Inductor would run from the traced pair): a kernel writes the whole weight
-dequantized, then a GEMM reads it again (on a GPU, 2 bytes a value written and read where
-the blocks hold 0.56-1.06). Fused: one kernel, programs of [BLOCK_M, BLOCK_N] outputs, K in
-steps of BLOCK_K (optionally split over SPLIT_K programs whose fp32 partials are summed
-after), each step's weight bytes one contiguous load a row (q4's two nibbles of a byte are
-the step's two halves), a group's scale loaded once and broadcast; fp32 multiply-adds for
-one row, `tl.dot` for more, on values rounded as the reference rounds them, fp32 sums.
-Tested on CPU under TRITON_INTERPRET=1. The first version gathered one byte address a
-value and one scale a value: on an H200 (NOTES 52) at its best tile 0.53-0.74x Inductor's
-dequantization + cuBLAS, so the pass stays off on CUDA until `gpu_check`'s
-`quantized_products` times this one (NOTES 54: not yet run on a device).
+dequantized, then a GEMM reads it again (on a GPU, 2 bytes a value written and read where the
+blocks hold 0.56-1.06). Fused: one kernel, programs of [BLOCK_M, BLOCK_N] outputs, K in steps of
+BLOCK_K (optionally split over SPLIT_K programs whose fp32 partials are summed after), each
+step's weight bytes one contiguous load a row (q4's two nibbles of a byte are the step's two
+halves), a group's scale loaded once and broadcast; fp32 multiply-adds for one row, `tl.dot` for
+more, on values rounded as the reference rounds them, fp32 sums. Tested on CPU under
+TRITON_INTERPRET=1. The first version gathered one byte address a value and one scale a value:
+on an H200 at its best tile 0.53-0.74x Inductor's dequantization + cuBLAS, so the pass stays off
+on CUDA until `gpu_check`'s `quantized_products` times this one (not yet run on a device;
+docs/kernel-choices.md, Quantized products on CUDA).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Tile(NamedTuple):
 
 
 def default_tile(m: int) -> Tile:
-    # Untimed on a device (NOTES 54): `gpu_check`'s `quantized_products` sweep decides.
+    # Untimed on a device: `gpu_check`'s `quantized_products` sweep decides.
     if m == 1:
         return Tile(1, 16, 512, 4)
     return Tile(16, 16, 256, 4) if m <= 16 else Tile(32, 64, 64)

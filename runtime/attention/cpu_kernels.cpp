@@ -396,11 +396,11 @@ void write_kv_team(const T* k, int64_t k_stride, const T* v, int64_t v_stride, T
            slots + first, last - first, row);
 }
 
-// Loads every K and V row of tokens [begin, end), token by token: a token's rows of all
-// KV heads are one contiguous run, so the loads walk memory in order and many are in
-// flight at once. Inside a CPU graph's step the weight stream has evicted these rows since
-// the last step; a task that meets them one head's row at a time waits ~9 ns a line, in
-// memory order they arrive at ~5-6 ns a line (benchmarks/NOTES.md, section 39; software
+// Loads every K and V row of tokens [begin, end), token by token: a token's rows of all KV
+// heads are one contiguous run, so the loads walk memory in order and many are in flight at
+// once. Inside a CPU graph's step the weight stream has evicted these rows since the last
+// step; a task that meets them one head's row at a time waits ~9 ns a line, in memory order
+// they arrive at ~5-6 ns a line (docs/kernel-choices.md, Decode attention; software
 // prefetches of the same rows did not arrive in time).
 template <typename T>
 void load_rows(const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t begin,

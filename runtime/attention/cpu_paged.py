@@ -27,10 +27,10 @@ from runtime.attention.torch_paged import (
 )
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-# Below this many (sequence, KV head, token) triples, one thread beats waking the pool.
-# Batch-1 decode of SmolLM2 (3 KV heads) goes parallel from 64 tokens on: the kernel then
-# splits the sequence so both threads work (benchmarks/NOTES.md, section 32). Eager steps
-# only: a CPU graph replays decode in a team already awake (section 38).
+# Below this many (sequence, KV head, token) triples, one thread beats waking the pool. Batch-1
+# decode of SmolLM2 (3 KV heads) goes parallel from 64 tokens on: the kernel then splits the
+# sequence so both threads work (docs/kernel-choices.md, Decode attention). Eager steps only: a
+# CPU graph replays decode in a team already awake.
 PARALLEL_MIN_WORK = 192
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from passes.ops.quantized import INVARIANT_ROWS
 from runtime.attention.dense import sdpa
 from runtime.attention.metadata import AttentionMetadata
 
@@ -47,7 +48,8 @@ def gather_slots(kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Ten
 FP32_DECODE_MAX_LEN = 1024
 # Batch-invariant mode computes queries this short row by row, as decodes: a speculative
 # verification's rows then equal the decodes they stand for (tests/test_spec_decode.py).
-ROWS_AS_DECODES = 16
+# The products' short-row path has the same bound (the scheduler keeps one threshold).
+ROWS_AS_DECODES = INVARIANT_ROWS
 
 
 @dataclass
@@ -161,9 +163,9 @@ class TorchPagedAttentionBackend:
     def _decode(q, k, v, scale: float, plan: _StepPlan | None = None) -> torch.Tensor:
         """One query token per sequence: q [nd, H, 1, D], k/v [nd, KV, L, D] -> [nd, H * D].
 
-        On CPU, SDPA is slow here in 16 bits with a mask (its math path, 12x the time of
-        the two batched matmuls below at 32 x 400 tokens), and for a single sequence in 16
-        bits it is fastest in fp32 (benchmarks/NOTES.md)."""
+        On CPU, SDPA is slow here in 16 bits with a mask (its math path, 12x the time of the two
+        batched matmuls below at 32 x 400 tokens), and for a single sequence in 16 bits it is
+        fastest in fp32 (docs/kernel-choices.md, Decode attention)."""
         nd, h, _, d = q.shape
         kvh = k.shape[1]
         if plan is None or plan.decode_mask is None:  # one sequence, no padding

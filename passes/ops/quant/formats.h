@@ -121,8 +121,9 @@ inline void load_rows(const void* x, bool bf, float* out, int64_t n) {
 constexpr int MB_MAX = 4;
 // Runs the statement given (a row product called with MB as its row count) for a block of
 // mb = 1..4 rows of x, MB a constant: the row products are templates on the row count
-// (accumulators in registers). A generic lambda doing this cost the q8 product 10-15% at
-// 4 rows (NOTES 46); this expands to the same four branches the calls were written as.
+// (accumulators in registers). A generic lambda doing this cost the q8 product 10-15% at 4
+// rows (docs/kernel-choices.md); this expands to the same four branches the calls were
+// written as.
 #define CC_BY_ROWS(mb, ...)                                  \
   do {                                                       \
     if ((mb) == 4) { constexpr int MB = 4; __VA_ARGS__; }      \
@@ -132,12 +133,17 @@ constexpr int MB_MAX = 4;
   } while (0)
 // The bf16 paths take 16 weight rows at a time (strips, below) from TILED_ROWS_* rows of x.
 constexpr int TILE_N = 16;
-// Rows of x from which the strips beat the row product (raw A/B, NOTES 49): q8 1.26x at
-// 6 rows, 0.90x at 4; q4 0.93x at 6, 1.04x at 8.
+// Rows of x from which the strips beat the row product (raw A/B, docs/kernel-choices.md,
+// Strips): q8 1.26x at 6 rows, 0.90x at 4; q4 0.93x at 6, 1.04x at 8.
 constexpr int64_t TILED_ROWS_Q8 = 6, TILED_ROWS_Q4 = 8;
-// Rows of x up to which Q8_0's row products may take int8 activations (`int8_x`): raw
-// A/B against the exact ones (NOTES 55), 1.7B shapes 1.01x / 0.98x / 0.95x / 0.82x /
-// 0.91x at 1-5 rows, 135M shapes 1.16x / 1.14x at 1-2, 0.96x at 4.
+// Batch-invariant mode (flags bit 7): up to this many rows the row products, above it the
+// strips, each of which gives a row the same bits at any row count and offset; the
+// scheduler never puts a query of at most this many tokens in a step of more rows
+// (runtime/scheduler.py), so a request's rows always take the same path.
+constexpr int64_t INVARIANT_ROWS = 16;
+// Rows of x up to which Q8_0's row products may take int8 activations (`int8_x`): raw A/B
+// against the exact ones (docs/kernel-choices.md, Int8 activations), 1.7B shapes 1.01x /
+// 0.98x / 0.95x / 0.82x / 0.91x at 1-5 rows, 135M shapes 1.16x / 1.14x at 1-2, 0.96x at 4.
 constexpr int64_t INT8_ROWS_Q8 = 2;
 // log2 of q4's runs a group (bf16 path: 1, 2, 4 ... 16).
 inline int runs_shift(int64_t g) {
@@ -165,4 +171,4 @@ inline void unpack_q6_row(const uint8_t* w, int64_t K, int8_t* out) {
   }
 }
 
-constexpr int STRIP_MB = 8;  // rows of x a strip takes at a time (12: no faster, NOTES 49)
+constexpr int STRIP_MB = 8;  // rows of x a strip takes at a time (12: no faster)

@@ -47,13 +47,13 @@ inline void quantize_row_u8(const bf16* x, int64_t K, uint8_t* q, float* scale) 
   }
 }
 
-// q4 with int8 activations (the K-quants' products where `int8_x` allows it, as
-// llama.cpp multiplies Q4_K by Q8_K): x quantized per run of 32 as above, laid out per
-// chunk of 4 runs as the nibbles unpack, the runs' first 16 values (low nibbles), then
-// their last 16 (high); a last pair of runs (K % 128 == 64) padded with zeros to a chunk.
-// `vpdpbusd` multiplies the nibbles as they are (unsigned bytes) by x's: two instructions
-// and two masks a chunk where the exact path widens four vectors to bf16 (1.66x from
-// cache, 1.45x from memory: NOTES 56).
+// q4 with int8 activations (the K-quants' products where `int8_x` allows it, as llama.cpp
+// multiplies Q4_K by Q8_K): x quantized per run of 32 as above, laid out per chunk of 4
+// runs as the nibbles unpack, the runs' first 16 values (low nibbles), then their last 16
+// (high); a last pair of runs (K % 128 == 64) padded with zeros to a chunk. `vpdpbusd`
+// multiplies the nibbles as they are (unsigned bytes) by x's: two instructions and two
+// masks a chunk where the exact path widens four vectors to bf16 (1.66x from cache, 1.45x
+// from memory: docs/kernel-choices.md, Int8 activations).
 struct Int8Chunks {
   int8_t* q;     // [K rounded up to 128]
   float* scale;  // [K/32]: the run's activation scale

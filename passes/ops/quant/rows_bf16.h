@@ -7,10 +7,11 @@
 // 128 + q (bits 0x4300 | q, exact), `vdpbf16ps` multiplies 32 of them by 32 activations
 // exactly and adds in fp32, and the 128 comes off through the run's activation sum:
 //   sum_j (d q_j + m) x_j = d sum_j (128 + q_j) x_j + (m - 128 d) sum_j x_j.
-// Nothing is rounded but fp32 sums (NOTES 45: int8 activations, the path above, cost 1.2%
-// perplexity on the shipped model; this path costs nothing and runs at the same speed).
-// What one row of x becomes: its values reordered per pair of runs A, B as [A 0-15, B 0-15,
-// A 16-31, B 16-31] (the order two runs' low, then high, nibbles widen to), and run sums.
+// Nothing is rounded but fp32 sums (docs/kernel-choices.md, Int8 activations: the path
+// above cost 1.2% perplexity on the shipped model; this path costs nothing and runs at the
+// same speed). What one row of x becomes: its values reordered per pair of runs A, B as [A
+// 0-15, B 0-15, A 16-31, B 16-31] (the order two runs' low, then high, nibbles widen to),
+// and run sums.
 struct Bf16Row {
   const bf16* x;
   const float* sum;
@@ -113,7 +114,7 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
       prefetch_weights(w + k / 2);
       const __m512i v = _mm512_loadu_si512(w + k / 2);  // 32 words: bytes 2e, 2e + 1
       // Each nibble of a word to the bf16 128 + q in place: no lane crossing, 7 ops for 128
-      // values where widening bytes to words first took 8 for 64 (NOTES 55).
+      // values where widening bytes to words first took 8 for 64 (docs/kernel-choices.md).
       const __m512i a = _mm512_ternarylogic_epi32(low, v, exponent, 0xea);
       const __m512i b = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 8), exponent, 0xea);
       const __m512i c = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 4), exponent, 0xea);
@@ -226,11 +227,11 @@ inline void row_product_q6_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
 // q8 on the same path, one product a value: q in [-128, 127] is exact in bf16 (8 bits of
 // significand), so a run of 32 widens to fp32 and narrows to bf16 without rounding, and
 // `vdpbf16ps` multiplies it by 32 activations exactly and adds in fp32. Groups of G = 32
-// (Q8_0) or 16 (Q6_K): `vdpbf16ps`'s lane i sums values 2i and 2i + 1,
-// so lanes 0-7 hold a run's first 16 values and lanes 8-15 its last 16, and a group of 16
-// scales half the lanes. G = 0: one scale for the whole row (int8 per output channel),
-// applied once at the end. The nibble split this replaced took two products a value and
-// rounded more (offset terms that cancel): NOTES 49.
+// (Q8_0) or 16 (Q6_K): `vdpbf16ps`'s lane i sums values 2i and 2i + 1, so lanes 0-7 hold a
+// run's first 16 values and lanes 8-15 its last 16, and a group of 16 scales half the
+// lanes. G = 0: one scale for the whole row (int8 per output channel), applied once at the
+// end. The nibble split this replaced took two products a value and rounded more (offset
+// terms that cancel): docs/kernel-choices.md, Strips.
 // A run of 32 q8 values as bf16, in memory order.
 inline __m512bh q8_run_bf16(const int8_t* w) {
   const __m512 lo = _mm512_cvtepi32_ps(
@@ -272,7 +273,7 @@ inline void row_product_q8_bf16(const bf16* const* xs, int64_t K, const int8_t* 
                                                        2 * i + 1, 2 * i + 1, 2 * i + 1,
                                                        2 * i + 1, 2 * i + 1, 2 * i + 1);
       // Groups of 32: the scale broadcast from memory (a load, not a shuffle on the vector
-      // pipes beside the conversion): 1.15-1.2x at one row (NOTES 49).
+      // pipes beside the conversion): 1.15-1.2x at one row (docs/kernel-choices.md).
       const __m512 scale = G == 32 ? _mm512_set1_ps(dv[i]) : _mm512_permutexvar_ps(pick, d);
       for (int m = 0; m < MB; ++m) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[m] + k);
@@ -283,7 +284,8 @@ inline void row_product_q8_bf16(const bf16* const* xs, int64_t K, const int8_t* 
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-// The explicit dispatch on mb (a generic lambda cost 10-15%: NOTES 46), once per G.
+// The explicit dispatch on mb (a generic lambda cost 10-15%: docs/kernel-choices.md), once
+// per G.
 template <int G, typename SP>
 inline void q8_bf16_rows(int64_t mb, const bf16* const* xs, int64_t K, const int8_t* w, SP s,
                          float* out) {

@@ -5,10 +5,10 @@
 #if defined(__AVX512F__)
 // Each thread streams its rows of blocks front to back; a prefetch 4 KB ahead keeps the
 // stream ahead of the loads. Measured on Zen 4 (2 threads, 1.7B-like products in huge
-// pages, bit-identical outputs, NOTES 48): q4 1.24-1.38x, q8 1.06-1.07x the bytes a second
-// of no prefetch (512 B-8 KB tried; 4 KB best), where the bf16 GEMVs read slower with it
-// (`weight_prefetch_bytes`: none on AMD); the integer path (built without AVX512-BF16):
-// q4 1.19x. Not measured on Intel, where those GEMVs gain.
+// pages, bit-identical outputs, docs/kernel-choices.md, Prefetch): q4 1.24-1.38x, q8
+// 1.06-1.07x the bytes a second of no prefetch (512 B-8 KB tried; 4 KB best), where the
+// bf16 GEMVs read slower with it (`weight_prefetch_bytes`: none on AMD); the integer path
+// (built without AVX512-BF16): q4 1.19x. Not measured on Intel, where those GEMVs gain.
 inline void prefetch_weights(const void* at) {
   _mm_prefetch(static_cast<const char*>(at) + 4096, _MM_HINT_T0);
 }

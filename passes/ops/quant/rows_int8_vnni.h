@@ -75,7 +75,8 @@ inline void row_product_int8(const QuantRow* rows, int64_t K, const void* wrow, 
     }
     for (int64_t p = 0; p < n; p += 2) {  // a pair of runs: lanes 0-7 and 8-15
       const int64_t k = (r0 + p) * 32;
-      // q4 only: the q8 stream read 0.95x (0.79-1.15) with it here (NOTES 48)
+      // q4 only: the q8 stream read 0.95x (0.79-1.15) with it here (docs/kernel-choices.md,
+      // Prefetch)
       if constexpr (Q4) prefetch_weights(static_cast<const uint8_t*>(wrow) + k / 2);
       const __m512i wu = unsigned64<Q4>(wrow, k);
       const __m512i pick = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1,
