@@ -11,81 +11,9 @@
 // (docs/kernel-choices.md).
 #include <cmath>
 
-#include "cc_common.h"
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
-// Row lengths with an unrolled product (see dot_fixed); none unless the build sets them.
-#ifndef CC_DOT_SIZES
-#define CC_DOT_SIZES
-#endif
+#include "bf16_dot.h"
 
 namespace {
-
-#if defined(__AVX512BF16__)
-inline __m512bh load(const bf16* p, __mmask32 mask) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
-inline float dot_loop(const bf16* x, const bf16* w, int64_t K) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-  int64_t k = 0;
-  for (; k + 128 <= K; k += 128)
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c)
-      acc[c] = _mm512_dpbf16_ps(acc[c], load(w + k + 32 * c, ~0u), load(x + k + 32 * c, ~0u));
-  for (; k < K; k += 32) {  // the tail: masked loads read zeros past K
-    const __mmask32 mask = K - k >= 32 ? ~0u : (1u << (K - k)) - 1;
-    acc[0] = _mm512_dpbf16_ps(acc[0], load(w + k, mask), load(x + k, mask));
-  }
-  return _mm512_reduce_add_ps(
-      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-}
-
-// How far ahead of its loads a row's product asks for weights (bytes), or 0: the same
-// software prefetch as layer_kernels.cpp's, set by the build (passes/native.py).
-#ifndef CC_PREFETCH
-#define CC_PREFETCH 0
-#endif
-
-inline void prefetch_line(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p) + CC_PREFETCH, _MM_HINT_T2);
-}
-
-// The same row with K known when compiling, fully unrolled: a loop whose exit
-// mispredicts once a row (~1 KB) streamed slower in minutes when memory is fast (NOTES
-// section 33). gemv.py builds this file per model with the head's row length
-// (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576)"`); other lengths loop. PF: prefetch
-// CC_PREFETCH bytes ahead, a line at a time.
-template <int64_t K, bool PF>
-inline float dot_fixed(const bf16* x, const bf16* w) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-#pragma GCC unroll 256
-  for (int64_t k = 0; k < K / 32 * 32; k += 32) {
-    if (PF) prefetch_line(w + k);
-    acc[k / 32 % 4] = _mm512_dpbf16_ps(acc[k / 32 % 4], load(w + k, ~0u), load(x + k, ~0u));
-  }
-  if constexpr (K % 32 != 0) {
-    const __mmask32 mask = (1u << (K % 32)) - 1;
-    acc[0] = _mm512_dpbf16_ps(acc[0], load(w + K / 32 * 32, mask), load(x + K / 32 * 32, mask));
-  }
-  return _mm512_reduce_add_ps(
-      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-}
-
-template <bool PF>
-inline float dot(const bf16* x, const bf16* w, int64_t K) {
-#define CC_DOT(n) \
-  if (K == (n)) return dot_fixed<(n), PF && CC_PREFETCH != 0>(x, w);
-  CC_DOT_SIZES
-#undef CC_DOT
-  return dot_loop(x, w, K);
-}
-
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define CC_SCREEN 1
@@ -229,7 +157,9 @@ void gemv_bf16_f32(const bf16* x, int64_t ldx, const bf16* w, int64_t ldw, float
       const bf16* row = w + n * ldw;
       const bool ahead = row + K + CC_PREFETCH / 2 <= w + (n1 - 1) * ldw + K;
       for (int64_t m = 0; m < M; ++m)
-        y[m * N + n] = ahead ? dot<true>(x + m * ldx, row, K) : dot<false>(x + m * ldx, row, K);
+        y[m * N + n] = ahead ? dot<true>(x + m * ldx, row, K, reinterpret_cast<const char*>(row) +
+                                                                  CC_PREFETCH)
+                             : dot<false>(x + m * ldx, row, K);
     }
   }
 #endif

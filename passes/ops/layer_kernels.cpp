@@ -11,15 +11,7 @@
 // rounded to bf16; accumulation and the norm's statistics are fp32.
 #include <cmath>
 
-#include "cc_common.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-// Row lengths with an unrolled product (see dot_fixed); none unless the build sets them.
-#ifndef CC_DOT_SIZES
-#define CC_DOT_SIZES
-#endif
+#include "bf16_dot.h"
 
 namespace {
 
@@ -29,10 +21,6 @@ inline __m512 round16(__m512 v) {  // round_bf16 on 16 finite values
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
   b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
   return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(int(0xffff0000u))));
-}
-inline __m512 load16(const bf16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 #endif
 
@@ -54,66 +42,6 @@ inline void add_round(const float* a, const B* b, float* out, int64_t n) {
     else bi = reinterpret_cast<const float*>(b)[i];
     out[i] = round_bf16(a[i] + bi);
   }
-}
-
-// One row of a product whose length K is known only when running: one accumulator.
-inline float dot_loop(const float* x, const bf16* w, int64_t K) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16)
-    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(x + k), load16(w + k)));
-  float sum = _mm512_reduce_add_ps(acc);
-#else
-  float sum = 0.f;
-  int64_t k = 0;
-#endif
-  for (; k < K; ++k) sum += x[k] * to_f32(w[k]);
-  return sum;
-}
-
-// How far ahead of its loads a product asks for weights (bytes), or 0; set by the build
-// (passes/native.py: 4 KB on Intel CPUs). On the AMX Xeon the unrolled rows below read at
-// ~0.8x a plain sum over the same bytes without it and at the sum's speed with it (the L2's
-// own prefetcher falls behind a loop that does work per line); on the EPYC the same
-// prefetch read slower (docs/kernel-choices.md, Prefetch).
-#ifndef CC_PREFETCH
-#define CC_PREFETCH 0
-#endif
-
-// The same row with K known when compiling: fully unrolled over four accumulators. A loop
-// that exits after every row (~1 KB) streamed ~10% slower in minutes when memory is fast,
-// and one accumulator's chain of adds caps a core near the rate such a minute delivers
-// (docs/kernel-choices.md, Quantized row products). PF: prefetch CC_PREFETCH bytes ahead,
-// one line at a time (into L2: a prefetch into L1 as well read slower).
-template <int64_t K, bool PF>
-inline float dot_fixed(const float* x, const bf16* w, const char* pf) {
-#if defined(__AVX512F__)
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-#pragma GCC unroll 256
-  for (int64_t k = 0; k < K / 16 * 16; k += 16) {
-    if (PF && k % 32 == 0) _mm_prefetch(pf + 2 * k, _MM_HINT_T2);
-    acc[k / 16 % 4] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load16(w + k), acc[k / 16 % 4]);
-  }
-  float sum = _mm512_reduce_add_ps(
-      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-  for (int64_t k = K / 16 * 16; k < K; ++k) sum += x[k] * to_f32(w[k]);
-  return sum;
-#else
-  return dot_loop(x, w, K);
-#endif
-}
-
-// layer_kernels.py builds this file per model with the row lengths of its products
-// (passes/native.py: `-DCC_DOT_SIZES="CC_DOT(576) CC_DOT(1536)"`); other lengths loop.
-template <bool PF>
-inline float dot(const float* x, const bf16* w, int64_t K, const char* pf = nullptr) {
-#define CC_DOT(n) \
-  if (K == (n)) return dot_fixed<(n), PF && CC_PREFETCH != 0>(x, w, pf);
-  CC_DOT_SIZES
-#undef CC_DOT
-  return dot_loop(x, w, K);
 }
 
 // out[r - r0] = x . w[r] (rounded to bf16 unless `round` is false) for rows r0 <= r < r1
