@@ -139,15 +139,17 @@ class SchedulerConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM's `speculative_config`, method "ngram" (prompt lookup): up to
+    """vLLM's `speculative_config`: method "ngram" (prompt lookup: up to
     `num_speculative_tokens` proposed per step from the request's own tokens, where its
-    last `prompt_lookup_max` .. `prompt_lookup_min` tokens occurred before
-    (runtime/spec_decode.py)."""
+    last `prompt_lookup_max` .. `prompt_lookup_min` tokens occurred before) or, given a
+    `model` (a smaller model with the same tokenizer: a folder or a GGUF file), method
+    "draft_model": that model's greedy tokens (runtime/spec_decode.py)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None
     # Ours: a request whose verifications emit fewer tokens than this on average stops
     # proposing for a while. A fixed number, not the measured cost of a verification, so
     # that a request's tokens do not depend on timing. None: 2.0 on CPU (a 4-token step
@@ -160,23 +162,27 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise TypeError(f"speculative_config must be a dict, got {type(value).__name__}")
-        if "model" in value:
-            raise ValueError(
-                "speculative_config: a draft model is not supported yet; use "
-                '{"method": "ngram", "num_speculative_tokens": k}'
-            )
         unknown = sorted(set(value) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(
                 f"speculative_config: unknown keys {unknown}; known: "
                 f"{[f.name for f in fields(cls)]}"
             )
+        if value.get("model") is not None and "method" not in value:  # vLLM infers it
+            value = {**value, "method": "draft_model"}
         return cls(**value)
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in ("ngram", "draft_model"):
             raise ValueError(
-                f"speculative_config method={self.method!r} is not supported; use 'ngram'"
+                f"speculative_config method={self.method!r} is not supported; use 'ngram' "
+                "or a draft model ({'model': PATH, ...})"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config: method 'draft_model' takes a 'model' (a smaller model "
+                f"with the same tokenizer), method 'ngram' none; got method={self.method!r}, "
+                f"model={self.model!r}"
             )
         for name in ("num_speculative_tokens", "prompt_lookup_min"):
             value = getattr(self, name)
@@ -282,9 +288,9 @@ class CompilationConfig:
     # the LM head is a compiled loop), the compiler's own number beside the native one.
     native_kernels: bool = True
     # Each request's tokens and logprobs bit-identical whatever else is in its batch (vLLM's
-    # `VLLM_BATCH_INVARIANT=1`, which sets it when None): one product kernel for every row
-    # count, attention one sequence at a time, prompts chunked by their own length only,
-    # no prefix-cache hits, no static-size code. CPU only; costs measured in NOTES.
+    # `VLLM_BATCH_INVARIANT=1`, which sets it when None): products and attention whose rows
+    # never depend on the others, prompts chunked by their own length only, steps of one
+    # kind of query, no prefix-cache hits, no static-size code (docs/decoding.md).
     batch_invariant: bool | None = None
     # User passes, run after the built-in fusions: passes.GraphPass / PatternPass
     # instances or subclasses, functions graph -> int, or "module:attribute" paths.

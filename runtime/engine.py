@@ -22,14 +22,21 @@ from runtime.outputs import SPEC_COUNTS, Logprob
 from runtime.request import Request
 from runtime.sampler import NO_TOKEN, Sampler, filter_logits
 from runtime.scheduler import Scheduler, SchedulerOutput
-from runtime.spec_decode import Proposer, accepted_length, sample_verified
+from runtime.spec_decode import (
+    DraftModelProposer,
+    Proposer,
+    accepted_length,
+    sample_verified,
+)
 from runtime.structured_output import GrammarCompilerCache
 
 logger = logging.getLogger("compilecore")
 
 
 class LLMEngine:
-    def __init__(self, engine_config: EngineConfig, tokenizer: Any, executor: Any = None):
+    def __init__(
+        self, engine_config: EngineConfig, tokenizer: Any, executor: Any = None, draft: Any = None
+    ):
         self.config = engine_config
         self.tokenizer = tokenizer
         self.executor = executor or LocalExecutor(engine_config)
@@ -49,7 +56,12 @@ class LLMEngine:
         self.num_fed_steps = 0
         spec = engine_config.speculative_config
         max_len = engine_config.model_config.max_model_len
-        self.proposer = Proposer(spec, max_len) if spec is not None else None
+        # `draft`: the draft model's engine (speculative_config's "draft_model" method).
+        self.proposer = None
+        if spec is not None:
+            self.proposer = (
+                DraftModelProposer(spec, max_len, draft) if draft else Proposer(spec, max_len)
+            )
         # Since the start, over every request (vLLM's spec_decode counters).
         self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)
         self.sampler = Sampler(engine_config.model_config.seed)
@@ -134,8 +146,7 @@ class LLMEngine:
         if self._inflight is not None and not pipelined:
             return self._read_inflight()  # a step that samples on the host waits for it
         if self.proposer is not None:
-            for req in self.scheduler.running:
-                req.spec.drafts = self.proposer.propose(req)
+            self.proposer.propose_all(self.scheduler.running)
         out = self.scheduler.schedule()
         if not out:
             return self._read_inflight()

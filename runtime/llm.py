@@ -114,7 +114,8 @@ class LLM:
             validate_parallel_config(self.engine_config)
             executor = MultiprocExecutor(self.engine_config, external=backend == "external")
         try:
-            self.llm_engine = LLMEngine(self.engine_config, self.tokenizer, executor)
+            draft = _draft_engine(self.engine_config, engine_args)
+            self.llm_engine = LLMEngine(self.engine_config, self.tokenizer, executor, draft)
         except BaseException as error:
             if executor is not None:
                 executor.shutdown(force=True)
@@ -529,6 +530,36 @@ def build_engine_config(
         device=device_obj,
         speculative_config=SpeculativeConfig.from_any(speculative_config),
     )
+
+
+def _draft_engine(config: EngineConfig, engine_args: dict[str, Any]) -> LLMEngine | None:
+    """The draft model's engine for speculative_config's "draft_model" method (None for
+    any other): the target's device, lengths, batch and cache settings, prefix caching on
+    (a proposal then computes only what the draft has not seen); the same vocabulary, or an
+    error naming both."""
+    spec = config.speculative_config
+    if spec is None or spec.model is None:
+        return None
+    if config.parallel_config.world_size > 1:
+        raise ValueError("speculative_config: a draft model runs in one process; drop it, "
+                         "or tensor_parallel_size / pipeline_parallel_size")  # fmt: skip
+    keep = ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
+            "enforce_eager", "seed", "trust_remote_code")  # fmt: skip
+    args = {k: v for k, v in engine_args.items() if k in keep}
+    cc = config.compilation_config
+    draft_config = build_engine_config(
+        spec.model, **args, max_model_len=config.model_config.max_model_len,
+        device=str(config.device), enable_prefix_caching=True,
+        compilation_config={"cache_dir": cc.cache_dir} if cc.cache_dir else None,
+    )  # fmt: skip
+    ours = config.model_config.hf_config.vocab_size
+    theirs = draft_config.model_config.hf_config.vocab_size
+    if ours != theirs:
+        raise ValueError(
+            f"speculative_config: the draft model {spec.model} has a vocabulary of {theirs} "
+            f"tokens, the model {ours}: a draft model must share the model's tokenizer"
+        )
+    return LLMEngine(draft_config, None)
 
 
 # vLLM's engine arguments that have no counterpart here: named as such (not a TypeError,

@@ -1,9 +1,14 @@
-"""Speculative decoding by n-gram prompt lookup (vLLM's `speculative_config` method
-"ngram"), verified through the ordinary compiled step.
+"""Speculative decoding (vLLM's `speculative_config`), verified through the ordinary
+compiled step.
 
-Proposing: where a request's last n tokens (n from `prompt_lookup_max` down to
-`prompt_lookup_min`) occurred earlier in its prompt or output, the tokens that followed
-the longest such occurrence are proposed, up to `num_speculative_tokens`.
+Proposing, method "ngram": where a request's last n tokens (n from `prompt_lookup_max`
+down to `prompt_lookup_min`) occurred earlier in its prompt or output, the tokens that
+followed the longest such occurrence are proposed, up to `num_speculative_tokens`. Method
+"draft_model": a smaller model with the same tokenizer, run as an engine of its own (its
+compiled graphs and CPU or CUDA graphs, its KV cache with prefix caching), decodes each
+proposing request's next tokens greedily; its cache holds every whole block of tokens it
+has seen, so a proposal computes the request's new tail and k decode steps
+(`DraftModelProposer`).
 
 Verifying: a decoding request with proposals d1..dk is scheduled as a query of 1 + k
 tokens (its last token, then d1..dk) at the next positions: a chunk of an ordinary step,
@@ -27,12 +32,14 @@ while (`Proposer`): free text pays little for drafts that were wrong.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
 
 from compilecore.config import SpeculativeConfig
 from runtime.request import Request
+from runtime.sampling_params import SamplingParams
 
 # A request's speculation is judged every RECENT verifications; one that does not pay
 # stops proposing for FIRST_PAUSE steps, doubling each time up to MAX_PAUSE.
@@ -109,22 +116,34 @@ class Proposer:
         self.config = config
         self.max_model_len = max_model_len
 
+    def propose_all(self, running: list[Request]) -> None:
+        """Each running request's drafts for the next step (`req.spec.drafts`)."""
+        for req in running:
+            req.spec.drafts = self.propose(req)
+
     def propose(self, req: Request) -> list[int]:
         """The drafts for `req`'s next step, or [] (not decoding, not plain greedy, near
         its end, paused, or nothing found)."""
-        c, state = self.config, req.spec
-        if not self.eligible(req):
-            return []
-        if state.pause:
-            state.pause -= 1
-            return []
-        limit = min(c.num_speculative_tokens, self.max_model_len - req.num_tokens)
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:  # the last allowed token needs no draft after it
-            limit = min(limit, max_tokens - len(req.output_token_ids) - 1)
+        c = self.config
+        limit = self.limit(req)
         if limit < 1:
             return []
         return ngram_proposal(req.all_token_ids, limit, c.prompt_lookup_min, c.prompt_lookup_max)
+
+    def limit(self, req: Request) -> int:
+        """How many drafts `req` may take next step: 0 where it is not decoding, not plain,
+        near its end or paused (a paused request's pause counts down here)."""
+        state = req.spec
+        if not self.eligible(req):
+            return 0
+        if state.pause:
+            state.pause -= 1
+            return 0
+        limit = min(self.config.num_speculative_tokens, self.max_model_len - req.num_tokens)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:  # the last allowed token needs no draft after it
+            limit = min(limit, max_tokens - len(req.output_token_ids) - 1)
+        return max(limit, 0)
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -155,3 +174,33 @@ class Proposer:
         else:
             state.next_pause = FIRST_PAUSE
         state.recent_verified = state.recent_accepted = 0
+
+
+class DraftModelProposer(Proposer):
+    """Drafts from a draft model's engine (`draft`: an LLMEngine on the smaller model):
+    each proposing request's tokens go in as a request of the draft engine, greedy, for as
+    many tokens as the request may take; they come back as its drafts. A greedy draft
+    proposes each token with probability 1, so the verification rules are the n-gram
+    method's (`sample_verified`)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft):
+        super().__init__(config, max_model_len)
+        self.draft = draft
+        self._ids = itertools.count()
+
+    def propose_all(self, running: list[Request]) -> None:
+        asked = []
+        for req in running:
+            req.spec.drafts = []
+            limit = self.limit(req)
+            if limit >= 1:
+                params = SamplingParams(temperature=0, max_tokens=limit, ignore_eos=True,
+                                        detokenize=False)  # fmt: skip
+                drafting = Request(f"draft-{next(self._ids)}", list(req.all_token_ids), params)
+                self.draft.add_request(drafting)
+                asked.append((req, drafting))
+        while self.draft.has_unfinished_requests():
+            self.draft.step()
+        for req, drafting in asked:
+            req.spec.drafts = list(drafting.output_token_ids)
+            self.draft.release(drafting.request_id)

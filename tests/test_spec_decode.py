@@ -181,11 +181,70 @@ def test_preemption_under_speculation(tiny_llama, engines):
     assert all_blocks_free(small)
 
 
+@pytest.fixture(scope="module")
+def draft_engines(tiny_llama, tmp_path_factory):
+    """Speculating engines whose drafts come from a draft model: the model itself, and
+    another (its weights with noise on the last layer's MLP: it agrees on some tokens)."""
+    import copy
+
+    other = tmp_path_factory.mktemp("other_draft")
+    hf = copy.deepcopy(tiny_llama[1])
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for w in hf.model.layers[-1].mlp.parameters():
+            w.add_(torch.randn(w.shape, generator=g) * 0.3 * w.std())
+    hf.save_pretrained(other)
+    config = {"cache_dir": str(tmp_path_factory.mktemp("draft_cache"))}
+    return tuple(
+        LLM(str(tiny_llama[0]), compilation_config=config, kv_cache_memory=1 << 20,
+            speculative_config={"model": str(draft), "num_speculative_tokens": 3}, **ENGINE)
+        for draft in (tiny_llama[0], other)
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_draft_model_keeps_greedy_tokens(engines, draft_engines, batch):
+    """20 prompts one and 8 at a time with a draft model (vLLM's {"model": ...}): the plain
+    engine's tokens and finish reasons; the model as its own draft has every draft
+    accepted, another model some and not others; no KV block held in either engine."""
+    _, plain = engines
+    prompts = _prompts(np.random.default_rng(10 + batch), 20)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [(t, r) for i in range(0, 20, batch)
+            for t, r, _ in completions(plain, prompts[i : i + batch], params)]  # fmt: skip
+    rates = []
+    for llm in draft_engines:
+        got, drafted, accepted = [], 0, 0
+        for i in range(0, len(prompts), batch):
+            outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+            got += [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+            drafted += sum(o.metrics.num_draft_tokens for o in outs)
+            accepted += sum(o.metrics.num_accepted_tokens for o in outs)
+        assert got == want
+        drafts = llm.llm_engine.proposer.draft.scheduler.block_manager
+        assert all_blocks_free(llm) and drafts.num_free_blocks == drafts.num_blocks
+        rates.append((accepted, drafted))
+    itself, other = rates
+    assert itself[1] > 0 and itself[0] == itself[1]
+    assert 0 < other[0] < other[1]
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    from tests.helpers import llama_config, save_checkpoint
+
+    save_checkpoint(tmp_path, llama_config(vocab_size=300))
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens"):
+        LLM(str(tiny_llama[0]), speculative_config={"model": str(tmp_path)},
+            enforce_eager=True, **ENGINE)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "value, match",
     [
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
-        ({"model": "path/to/draft", "num_speculative_tokens": 2}, "draft model"),
+        ({"model": "path/to/draft", "num_speculative_tokens": 2}, "path/to/draft"),
+        ({"method": "ngram", "model": "path/to/draft"}, "method 'ngram' none"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle'"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max=2"),
