@@ -1,5 +1,5 @@
 """Batched decode with CPU graphs at the default sizes (1-16, then 24, 32, ... 64) against
-graphs up to 16 rows only (larger batches piece by piece, as before NOTES section 50):
+graphs up to 16 rows only (larger batches piece by piece, as before):
 two engines of one model alive in one process, B x (128 + 128) on fresh prompts in
 alternating rounds; prints each round's times, the median ratio and its range, and
 whether both engines give the same greedy tokens on one set of prompts.

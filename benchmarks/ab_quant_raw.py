@@ -2,7 +2,7 @@
 the working tree's against a git revision's, `q4_linear_region` / `q8_linear_region`
 called through ctypes on random blocks held in huge pages (as the engine holds weights),
 alternating rounds. Prints each build's time per call, the ratio base / tree (median and
-range) and each build's largest error against an fp64 product (NOTES.md, section 49).
+range) and each build's largest error against an fp64 product (docs/kernel-choices.md, Strips).
 
     python benchmarks/ab_quant_raw.py --base 3534c06 --format q8 --rows 1,16,64 \
         --shapes 1536x576,576x1536,960x576

@@ -1,7 +1,7 @@
 """Host time of a batch-1 decode step: the engine step's wall time minus the CPU-graph
 replay inside it (scheduler, input writes, sampler, detokenizer, Python frames). One
 request decodes `--steps` tokens per round, greedy (with `--sampled`: temperature 0.8,
-top-p 0.95), EOS ignored (NOTES.md, sections 30 and 36).
+top-p 0.95), EOS ignored (docs/kernel-choices.md, Host time).
 
     python benchmarks/bench_host.py [--model PATH] [--steps 256] [--rounds 4] [--sampled]
 """

@@ -1,7 +1,7 @@
 """Batch-1 decode of one float checkpoint as bf16 and quantized at load
 (`LLM(folder, quantization="int8" | "int4" | ...)`), the engines alive in one process and
 measured in alternating rounds on fresh prompts; prints each one's tok/s and its ratio to
-bf16 (median and range over the rounds; NOTES.md, section 49).
+bf16 (median and range over the rounds).
 
     python benchmarks/bench_quantize_at_load.py [--model FOLDER] [--formats int8,int4]
 """

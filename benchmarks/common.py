@@ -119,7 +119,7 @@ def read_bandwidth(device: str = "cpu", nbytes: int = 512 << 20, repeats: int = 
     fp32, and on CPU in normal and in huge pages, by torch and by a native loop with and
     without prefetching (`sums`): the weights sit in huge pages (runtime/huge_pages.py),
     which read up to ~35% faster here, so a ceiling measured in normal pages only is not
-    one (NOTES section 28). The best, not the median: a ceiling is what the memory
+    one (docs/kernel-choices.md, Huge pages). The best, not the median: a ceiling is what the memory
     delivered at its fastest; on a shared machine take the largest of several calls
     spread over the run."""
     best = 0.0
@@ -142,7 +142,7 @@ def read_bandwidth(device: str = "cpu", nbytes: int = 512 << 20, repeats: int = 
 
 class PairedBandwidth:
     """The read bandwidth right around one timed run. The memory of these shared machines
-    swings by up to 2x within a minute (NOTES section 35), so a run's GB/s over the best
+    swings by up to 2x within a minute (docs/performance.md), so a run's GB/s over the best
     sum of the whole run says more about the minute it ran in than about the engine; here
     each run is compared with sums over a written huge-page buffer taken just before and
     just after it (the fastest of `sums`)."""
@@ -175,8 +175,8 @@ class WeightsRead:
     huge-page buffer of the weights' size per token, timed like a decode. What an engine
     that did nothing but stream its weights once a token would reach in the same minutes:
     the best-of-run ceiling is a 10 ms burst and a run's GB/s moves with the minute it
-    caught (NOTES section 35), so this row says what share of that ceiling a run of the
-    same length can reach (NOTES section 39)."""
+    caught (docs/performance.md), so this row says what share of that ceiling a run of the
+    same length can reach."""
 
     def __init__(self, nbytes: int) -> None:
         self.buffer = _sum_buffer(max(nbytes, 1 << 12), torch.float32, "cpu", True)
@@ -293,7 +293,7 @@ def print_table(results: dict, title: str, baseline: str) -> None:
 
 def _cpu_model() -> str | None:
     """The CPU's model name: machines of one kind here have been an AMD EPYC one session
-    and an AMX Xeon the next, which moves every figure (NOTES section 41)."""
+    and an AMX Xeon the next, which moves every figure (docs/performance.md)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -328,7 +328,7 @@ def machine() -> dict:
         "cpu_model": _cpu_model(),
         "cpu_features": cpu_features(),
         "amx": bool(amx()) if amx is not None else None,
-        # Our batch-1 loops prefetch their weights on Intel only (NOTES section 42).
+        # Our batch-1 loops prefetch their weights on Intel only (docs/kernel-choices.md, Prefetch).
         "weight_prefetch_bytes": prefetch.weight_prefetch_bytes(),
         "cpus": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -435,7 +435,8 @@ def step_decode_bandwidth(check: Check) -> dict:
 # the default first; small N tiles give a decode step more programs, long K steps more
 # bytes in flight per program.
 # (block_m, block_n, block_k, num_warps, num_stages, split_k): one-row programs for a
-# single row, then tiles for `tl.dot` (NOTES 54's sweep).
+# single row, then tiles for `tl.dot` (docs/kernel-choices.md,
+# Quantized products on CUDA).
 QUANT_TILES = (
     [None]
     + [

@@ -3,7 +3,7 @@
 // time, into L2). The ceiling's read at its fastest: on the AMX Xeon the engine's products
 // read at a plain sum's speed only with such a prefetch, and the same prefetch also
 // speeds up a sum a little, so a ceiling measured only by torch's sum would flatter the
-// engine (benchmarks/NOTES.md, section 42).
+// engine (docs/kernel-choices.md, Prefetch).
 #include <cstdint>
 #include <omp.h>
 #if defined(__AVX512F__)
