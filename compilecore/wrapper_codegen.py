@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -70,9 +71,10 @@ def recorded_kernel_calls() -> Iterator[None]:
     with _LOCK:
         if _SWAP.depth == 0:
             common.init_backend_registration()
-            _SWAP.saved = common.device_codegens["cpu"]
-            hooked = _hooked(_SWAP.saved.wrapper_codegen)
-            common.device_codegens["cpu"] = dataclasses.replace(_SWAP.saved, wrapper_codegen=hooked)
+            _SWAP.saved = _registration(common)
+            codegen, custom_pass, custom_config = _SWAP.saved
+            hooked = dataclasses.replace(codegen, wrapper_codegen=_hooked(codegen.wrapper_codegen))
+            _register(common, hooked, custom_pass, custom_config)
         _SWAP.depth += 1
     try:
         with torch._inductor.config.patch(post_grad_custom_post_pass=_CodegenKey()):
@@ -81,7 +83,30 @@ def recorded_kernel_calls() -> Iterator[None]:
         with _LOCK:
             _SWAP.depth -= 1
             if _SWAP.depth == 0:
-                common.device_codegens["cpu"], _SWAP.saved = _SWAP.saved, None
+                _register(common, *_SWAP.saved)
+                _SWAP.saved = None
+
+
+def _registration(common: Any) -> tuple[Any, Any, Any]:
+    """The CPU's registration as `register_backend_for_device` left it: its codegens, its
+    custom pass and its codegen config."""
+    passes = getattr(common, "custom_backend_passes", {})
+    configs = getattr(common, "custom_backend_codegen_configs", {})
+    return common.device_codegens["cpu"], passes.get("cpu"), configs.get("cpu")
+
+
+def _register(common: Any, codegen: Any, custom_pass: Any, custom_config: Any) -> None:
+    """Registers `codegen` for the CPU through Inductor's backend registry (the route
+    out-of-tree backends take), each of its codegens under the parameter that names it in
+    this torch's `register_backend_for_device`."""
+    params = inspect.signature(common.register_backend_for_device).parameters
+    kwargs = {f"device_{f.name}": getattr(codegen, f.name) for f in dataclasses.fields(codegen)}
+    kwargs = {k: v for k, v in kwargs.items() if k in params}
+    if "device_custom_pass" in params:
+        kwargs["device_custom_pass"] = custom_pass
+    if "device_custom_config" in params:
+        kwargs["device_custom_config"] = custom_config
+    common.register_backend_for_device("cpu", **kwargs)
 
 
 def _hooked(base: Any) -> Any:
