@@ -58,6 +58,9 @@ class LLMEngine:
         max_len = engine_config.model_config.max_model_len
         # `draft`: the draft model's engine (speculative_config's "draft_model" method).
         self.proposer = None
+        if spec is not None and spec.model is not None and draft is None:
+            raise ValueError(f"speculative_config names a draft model ({spec.model}): pass its "
+                             "engine as `draft` (runtime.LLM builds it)")  # fmt: skip
         if spec is not None:
             self.proposer = (
                 DraftModelProposer(spec, max_len, draft) if draft else Proposer(spec, max_len)
