@@ -83,6 +83,7 @@ def _executor_source() -> str:
     # regions (`cpu_graph_regions.py`), each [team, calls, words], then its calls; a call's
     # header holds its argument count and, above bit 16, whether a barrier follows it.
     return f"""#include <cstdint>
+#include <omp.h>
 typedef int64_t i64;
 static inline void call(const i64* p) {{
   void* fn = reinterpret_cast<void*>(p[1]);
@@ -92,12 +93,20 @@ static inline void call(const i64* p) {{
   }}
 }}
 static inline const i64* next(const i64* p) {{ return p + 2 + (p[0] & 0xffff); }}
-extern "C" void run_program(const i64* p, i64 num_regions) {{
+// TIMED (`CpuGraph.profile`): t[k] = when call k ended (on the team's first thread, after
+// the barrier that follows it or the region's join), t[-1] the start.
+template <bool TIMED>
+static void run(const i64* p, i64 num_regions, double* t) {{
+  i64 k = 0;
+  if (TIMED) t[-1] = omp_get_wtime();
   for (i64 r = 0; r < num_regions; ++r) {{
     const i64 team = p[0], num_calls = p[1];
     const i64* calls = p + 3;
     if (team == 0) {{
-      for (i64 c = 0; c < num_calls; ++c, calls = next(calls)) call(calls);
+      for (i64 c = 0; c < num_calls; ++c, calls = next(calls)) {{
+        call(calls);
+        if (TIMED) t[k++] = omp_get_wtime();
+      }}
     }} else {{
 #pragma omp parallel num_threads(team)
       {{
@@ -107,11 +116,22 @@ extern "C" void run_program(const i64* p, i64 num_regions) {{
           if (q[0] >> 16) {{
 #pragma omp barrier
           }}
+          if (TIMED && omp_get_thread_num() == 0) t[k + c] = omp_get_wtime();
         }}
+      }}
+      if (TIMED) {{
+        k += num_calls;
+        t[k - 1] = omp_get_wtime();  // the region's last call ends at its join
       }}
     }}
     p += 3 + p[2];
   }}
+}}
+extern "C" void run_program(const i64* p, i64 num_regions) {{
+  run<false>(p, num_regions, nullptr);
+}}
+extern "C" void run_program_timed(const i64* p, i64 num_regions, double* t) {{
+  run<true>(p, num_regions, t + 1);
 }}
 """
 
@@ -120,7 +140,7 @@ extern "C" void run_program(const i64* p, i64 num_regions) {{
 def _executor(root: Path) -> Any:
     flags = ["-O2", "-fopenmp", "-shared", "-fPIC"]
     lib = load_library(_executor_source(), "cpu_graph", root, flags)
-    return declare(lib, "run_program(ptr, i64)").run_program
+    return declare(lib, "run_program(ptr, i64)", "run_program_timed(ptr, i64, ptr)")
 
 
 class _Capture:
@@ -337,7 +357,7 @@ class CpuGraph:
         calls: list[tuple[int, list[int], int]],
         keep: list,
         outputs: Any,
-        run: Callable[[int, int], None],
+        run: Any,  # the executor library: run_program, run_program_timed
         checks: Sequence[Callable[[], str | None]] = (),
     ):
         # The pass decides the regions; the program encodes them for the executor.
@@ -382,11 +402,23 @@ class CpuGraph:
         }
 
     def replay(self) -> Any:
-        self._run(self._program_ptr, len(self.regions))
+        self._run.run_program(self._program_ptr, len(self.regions))
         for check in self.checks:  # a recorded call that can fail reports it here
             if (reason := check()) is not None:
                 raise RuntimeError(f"CPU graph replay failed: {reason}")
         return self.outputs
+
+    def profile(self, replays: int = 20) -> list[tuple[CallInfo, float]]:
+        """Each recorded call with its median microseconds over `replays` replays (timed
+        inside the replay, between the barriers that follow calls: the time the team spent
+        on that call, its wait for the slowest thread included). The replays rewrite the
+        outputs (and the KV slots of the recorded step) as `replay` does."""
+        times = torch.zeros(replays, self.num_calls + 1, dtype=torch.float64)
+        for r in range(replays):
+            self._run.run_program_timed(self._program_ptr, len(self.regions),
+                                        times[r].data_ptr())  # fmt: skip
+        us = (times[:, 1:] - times[:, :-1]).median(0).values * 1e6
+        return list(zip(self.described, us.tolist()))
 
     def __repr__(self) -> str:
         return f"CpuGraph({self.num_calls} calls, {len(self.keep)} buffers)"

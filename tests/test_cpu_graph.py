@@ -747,3 +747,19 @@ def test_regions_cover_the_calls_in_order_one_team_each(teams):
     stats = region_stats(regions)
     assert stats["team_calls"] + stats["plain_calls"] == len(teams)
     assert stats["barriers"] == stats["team_calls"] - stats["parallel_regions"]
+
+
+def test_a_graph_profiles_each_of_its_calls(compiled):
+    """`CpuGraph.profile`: every recorded call with its time inside the replay (the
+    team's, between the barriers after calls), in the program's order; the replays leave
+    the graph's outputs as a replay does."""
+    runner = compiled.llm_engine.runner
+    runner.cpu_graphs.pop(1, None)  # recorded afresh here, whatever the tests before did
+    _tokens(compiled, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    graph = runner.cpu_graphs[1]
+    assert isinstance(graph, cpu_graph.CpuGraph)
+    want = graph.replay().clone()
+    rows = graph.profile(replays=9)
+    assert [info for info, _ in rows] == graph.described
+    assert all(us >= 0 for _, us in rows) and sum(us for _, us in rows) > 0
+    assert torch.equal(graph.replay(), want)
