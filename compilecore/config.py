@@ -383,11 +383,17 @@ class EngineConfig:
     def _batch_invariant(self) -> None:
         """What batch-invariant mode needs of the other parts; a part set against it is an
         error naming it (tests/test_batch_invariant.py)."""
+        from passes.ops.quantized import INVARIANT_ROWS
+
         cc, cache, sched = self.compilation_config, self.cache_config, self.scheduler_config
+        # A decode step padded past INVARIANT_ROWS rows would take the long steps' products.
+        padded = [s for s in cc.cpu_graph_sizes or [] if s > INVARIANT_ROWS]
         wrong = [
             (cc.mode != "piecewise", f"mode={cc.mode!r}", "needs mode='piecewise' (a pass)"),
             (bool(cc.compile_sizes), f"compile_sizes={cc.compile_sizes}",
              "keeps one code for every size"),
+            (bool(padded), f"cpu_graph_sizes {padded}",
+             f"keeps decode steps at most {INVARIANT_ROWS} rows"),
         ]  # fmt: skip
         for bad, setting, why in wrong:
             if bad:

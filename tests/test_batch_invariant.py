@@ -198,6 +198,8 @@ def test_the_mode_is_set_by_vllms_variable_and_refuses_what_it_cannot_keep(monke
     [
         ({"compilation_config": {"batch_invariant": True, "compile_sizes": [1]}}, "compile_sizes"),
         ({"compilation_config": {"batch_invariant": True, "mode": "none"}}, "mode='none'"),
+        ({"compilation_config": {"batch_invariant": True, "cpu_graph_sizes": [8, 32]}},
+         "cpu_graph_sizes [32]"),
     ],
 )  # fmt: skip
 def test_settings_the_mode_cannot_keep_are_errors_naming_them(tiny_llama, setting, named):
