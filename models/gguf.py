@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp's format): the model's config and tokenizer, and its tensors with
-the Q8_0, Q4_0, Q4_1, Q4_K and Q6_K blocks kept (the K-quants' scales as stored).
+the Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks kept (the K-quants' scales as stored;
+Q5_K's where our CPU kernels read its 5 bits: `keeps_q5_k`).
 
 Config and tokenizer come from transformers' GGUF reader, which takes ~10 s for a small
 model, so they are written once into a folder under the cache (`metadata_dir`) keyed by
@@ -8,7 +9,7 @@ the file's path, size and time; the weights are read from the file on every load
 Tensor names follow llama.cpp's (`blk.0.attn_q.weight`) and map to HF's; llama.cpp's
 converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbours,
 HF's pairs halves), which `_unpermute` reverses, on the blocks as on float tensors (a
-row of blocks is a row of the weight). Other block types (Q5_K, Q5_x, ...) are
+row of blocks is a row of the weight). Other block types (Q5_0, IQ4_XS, ...) are
 dequantized to fp32 when loaded, with a warning naming them; so is a fused module (QKV,
 gate/up) with a part in such a type, with a warning. A fused module whose parts are
 kept in different types (Q4_K_M's Q4_K q and k beside a Q6_K v) holds each part apart.
@@ -30,7 +31,7 @@ import torch
 from models.cache_files import write_folder_once
 from models.gguf_file import GGUFFile, GGUFFormatError
 from models.layers.quantization import QuantFormat, QuantizationConfig
-from passes.ops.quantized import pack_q6
+from passes.ops.quantized import kernel_path, pack_q5, pack_q6
 
 logger = logging.getLogger("compilecore")
 
@@ -80,12 +81,28 @@ def _reader(path: Path) -> GGUFFile:
         raise GGUFError(f"cannot read {path} as a GGUF file: {e}{hint}") from e
 
 
-def _kept_formats() -> dict[Any, QuantFormat]:
+def keeps_q5_k(device_type: str) -> bool:
+    """Whether Q5_K blocks are kept: where the exact bf16 row products read its 5-bit
+    values in place (our CPU kernels with AVX512-BF16). Elsewhere (other CPUs, GPUs: the
+    Triton product reads no 5-bit rows) they load as floats, as every type not kept."""
+    return device_type == "cpu" and kernel_path() == "bf16"
+
+
+def _kept_formats(q5_k: bool = True) -> dict[Any, QuantFormat]:
     from gguf import GGMLQuantizationType as T
 
-    return {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32),
+    kept = {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32),
             T.Q4_K: QuantFormat(4, 32, torch.uint8),
             T.Q6_K: QuantFormat(6, 16, torch.int8)}  # fmt: skip
+    if q5_k:
+        kept[T.Q5_K] = QuantFormat(5, 32, torch.uint8)
+    return kept
+
+
+def _kept_by(config: QuantizationConfig | None) -> dict[Any, QuantFormat]:
+    """The block types a file's config keeps (Q5_K's only where it holds one)."""
+    held = [] if config is None else [*config.formats.values(), *sum(config.parts.values(), ())]
+    return _kept_formats(any(fmt.bits == 5 for fmt in held))
 
 
 def _dense_types() -> set[Any]:
@@ -94,12 +111,12 @@ def _dense_types() -> set[Any]:
     return {T.F32, T.F16, T.BF16}
 
 
-def quant_config(path: str | Path) -> QuantizationConfig:
+def quant_config(path: str | Path, device_type: str = "cpu") -> QuantizationConfig:
     """Which layers keep their blocks: each whose tensors (all parts of a fused module)
     share one kept block type, and fused modules whose parts are each in a kept type
     (held per part). Float tensors, and fused modules with a part in another type, load
-    as floats."""
-    kept = _kept_formats()
+    as floats. `device_type`: where the model runs (`keeps_q5_k`)."""
+    kept = _kept_formats(keeps_q5_k(device_type))
     by_module: dict[str, QuantFormat | None] = {}
     for tensor in _reader(Path(path)).tensors:
         name = hf_name(tensor.name)
@@ -134,7 +151,7 @@ def _module_format(name: str, config: QuantizationConfig, type_: Any) -> QuantFo
     """The format a tensor's blocks are kept in (None: loaded as floats)."""
     module = _fused_name(name)
     if module in config.parts:  # a part held apart: its own block type
-        return _kept_formats().get(type_)
+        return _kept_by(config).get(type_)
     return config.formats.get(module)
 
 
@@ -146,6 +163,8 @@ def _blocks(raw: torch.Tensor, type_: Any) -> dict[str, torch.Tensor]:
         return _q4_k_blocks(raw)
     if type_ == T.Q6_K:
         return _q6_k_blocks(raw)
+    if type_ == T.Q5_K:
+        return _q5_k_blocks(raw)
     size = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}[type_]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)
@@ -167,28 +186,50 @@ def _halves(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def _q4_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Q4_K super-blocks (256 values, 144 bytes: d, dmin fp16; 12 bytes of 6-bit scales
-    and mins for 8 runs of 32; 128 bytes of nibbles, each 64-value chunk a run in the low
-    nibbles and the next in the high ones) as our q4 fields: scales and mins compact (per
-    row the 6-bit sc, m as bytes, then d and -dmin as fp32: scale d x sc and min -dmin x
-    m, exact), nibbles in our per-run order."""
-    rows = raw.shape[0]
-    b = raw.reshape(rows, -1, 144)
+def _k4_scales(b: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Q4_K's and Q5_K's scales and mins (a super-block's first 16 bytes: d, dmin fp16; 12
+    bytes of 6-bit scales and mins for 8 runs of 32) compact: per row the 6-bit sc, m as
+    bytes, then d and -dmin as fp32 (scale d x sc and min -dmin x m, exact)."""
+    rows = b.shape[0]
     d, dmin = _halves(b[..., 0:2]), _halves(b[..., 2:4])
     q = b[..., 4:16].long()  # llama.cpp's get_scale_min_k4
     sc = torch.cat([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], -1)
     m = torch.cat([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
-    qs = b[..., 16:].reshape(rows, -1, 4, 32)
-    runs = torch.stack([qs & 15, qs >> 4], dim=3).reshape(rows, -1, 32)  # [rows, runs, 32]
-    packed = runs[..., :16] | (runs[..., 16:] << 4)
 
     def compact(sub: torch.Tensor, sup: torch.Tensor) -> torch.Tensor:
         return torch.cat([sub.to(torch.uint8).reshape(rows, -1),
                           sup.contiguous().view(torch.uint8).reshape(rows, -1)], -1)  # fmt: skip
 
-    return {"qweight": packed.reshape(rows, -1).contiguous(), "scales": compact(sc, d),
-            "mins": compact(m, -dmin)}  # fmt: skip
+    return {"scales": compact(sc, d), "mins": compact(m, -dmin)}
+
+
+def _k4_runs(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes of nibbles a super-block (each 64-value chunk a run in the low nibbles
+    and the next in the high ones) as runs [rows, super-blocks, 8, 32] of 4-bit values."""
+    qs = qs.reshape(*qs.shape[:2], 4, 32)
+    return torch.stack([qs & 15, qs >> 4], dim=3).reshape(*qs.shape[:2], 8, 32)
+
+
+def _q4_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Q4_K super-blocks (256 values, 144 bytes: 16 of scales, 128 of nibbles) as our q4
+    fields: scales and mins compact (`_k4_scales`), nibbles in our per-run order."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 144)
+    runs = _k4_runs(b[..., 16:]).reshape(rows, -1, 32)  # [rows, runs, 32]
+    packed = runs[..., :16] | (runs[..., 16:] << 4)
+    return {"qweight": packed.reshape(rows, -1).contiguous(), **_k4_scales(b)}
+
+
+def _q5_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Q5_K super-blocks (256 values, 176 bytes: 16 of scales as Q4_K's, 32 of fifth bits,
+    run r's value l's in bit r of byte l, 128 of nibbles as Q4_K's) as q4 fields with the
+    values in 5 bits (`pack_q5`: 200 bytes a super-block with the compact scales)."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 176)
+    shifts = torch.arange(8, dtype=torch.uint8).reshape(8, 1)
+    fifth = (b[..., 16:48].unsqueeze(-2) >> shifts) & 1  # [rows, super-blocks, run, l]
+    u = _k4_runs(b[..., 48:]) | (fifth << 4)
+    return {"qweight": pack_q5(u.reshape(rows, -1)), **_k4_scales(b)}
 
 
 def _q6_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -227,7 +268,7 @@ def iterate_weights(
     heads = {"q_proj": hf_config.num_attention_heads,
              "k_proj": getattr(hf_config, "num_key_value_heads", None)
              or hf_config.num_attention_heads}  # fmt: skip
-    dense, dequantized, mixed = _dense_types(), set(), set()
+    dense, dequantized, mixed, kept = _dense_types(), set(), set(), _kept_by(config)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
             continue
@@ -238,9 +279,9 @@ def iterate_weights(
         if fmt is not None:
             fields = _blocks(torch.from_numpy(np.array(tensor.data)), tensor.tensor_type)
         else:
-            if tensor.tensor_type not in dense and tensor.tensor_type not in _kept_formats():
+            if tensor.tensor_type not in dense and tensor.tensor_type not in kept:
                 dequantized.add(tensor.tensor_type.name)
-            elif config is not None and tensor.tensor_type in _kept_formats():
+            elif config is not None and tensor.tensor_type in kept:
                 mixed.add(_fused_name(name))  # a fused module with a part not kept
             values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
             fields = {"weight": torch.from_numpy(np.array(values, dtype=np.float32))}
@@ -251,9 +292,9 @@ def iterate_weights(
         for key, value in fields.items():
             yield (f"{base}.{key}" if base else name), value
     if dequantized:
-        kept = ", ".join(t.name for t in _kept_formats())
         logger.warning("%s: %s blocks are dequantized to floats when loaded (kept as stored: "
-                       "%s)", path, ", ".join(sorted(dequantized)), kept)  # fmt: skip
+                       "%s)", path, ", ".join(sorted(dequantized)),
+                       ", ".join(t.name for t in kept))  # fmt: skip
     if mixed:
         logger.warning("%s: %d fused modules (%s, ...) hold a part in a block type not kept and "
                        "load as floats", path, len(mixed), sorted(mixed)[0])  # fmt: skip

@@ -68,12 +68,23 @@ class GraphPass:
         return {}
 
     def source_objects(self) -> list[Any]:
+        """The pass's modules, `depends_on`, and the `passes.ops` modules those reach through
+        their imports: code the replacement traces may live one import away (the K-quants'
+        layouts, imported by the ops' module), and a cache key that missed it served stale
+        code (tests/test_passes.py)."""
         names = [cls.__module__ for cls in type(self).__mro__] + list(self.depends_on)
-        return [
-            sys.modules[name]
-            for name in dict.fromkeys(names)
-            if name in sys.modules and name.split(".")[0] not in ("builtins", "torch")
-        ]
+        names = [n for n in dict.fromkeys(names) if n.split(".")[0] not in ("builtins", "torch")]
+        todo = [sys.modules[n] for n in names if n in sys.modules]
+        found = {module.__name__: module for module in todo}
+        while todo:
+            for value in vars(todo.pop()).values():
+                name = getattr(value, "__name__" if inspect.ismodule(value) else "__module__", "")
+                name = name if isinstance(name, str) else ""
+                module = sys.modules.get(name)
+                if name.startswith("passes.ops.") and name not in found and module is not None:
+                    found[name] = module
+                    todo.append(module)
+        return list(found.values())
 
     def uuid(self) -> str:
         cached = getattr(self, "_uuid", None)

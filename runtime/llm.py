@@ -472,7 +472,6 @@ def build_engine_config(
     as in vLLM V1, and the offline LLM logs no stats)."""
     _check_vllm_only_args(kv_cache_dtype, swap_space, disable_log_stats)
     model_dir = _model_path(model, load_format)
-    quant_config = _quant_config(model_dir, quantization)
     hf_config = load_hf_config(config_dir(model_dir), trust_remote_code=trust_remote_code)
     archs = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     try:
@@ -488,6 +487,7 @@ def build_engine_config(
     device_obj = cuda_index_pinned(
         torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     )
+    quant_config = _quant_config(model_dir, quantization, device_obj.type)
     if compilation.cudagraph_capture_sizes is None and device_obj.type == "cuda":
         compilation.cudagraph_capture_sizes = default_capture_sizes(max_num_batched_tokens)
     if async_scheduling and tensor_parallel_size * pipeline_parallel_size > 1:
@@ -644,14 +644,15 @@ def config_dir(model: Path) -> Path:
     return gguf.metadata_dir(model) if gguf.is_gguf(model) else model
 
 
-def _quant_config(model: Path, quantization: str | None) -> QuantizationConfig | None:
+def _quant_config(model: Path, quantization: str | None, device_type: str
+                  ) -> QuantizationConfig | None:  # fmt: skip
     if gguf.is_gguf(model):
         if quantization not in (None, "gguf"):
             raise ValueError(
                 f"quantization={quantization!r} does not apply to {model.name}: a GGUF file is "
                 "quantized already (its blocks are kept); leave quantization=None or 'gguf'"
             )
-        return gguf.quant_config(model)
+        return gguf.quant_config(model, device_type)
     if quantization == "gguf":
         raise ValueError(f"quantization='gguf' needs a .gguf file as the model, got {model}")
     return quantization_config(quantization)

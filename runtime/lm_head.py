@@ -65,7 +65,7 @@ def q8_logits_reduction(x, w, scales):
 def reference_values(fmt, fields) -> torch.Tensor:
     """A quantized head's values in fp32 by the reference's plain ops (no native op: the
     compiler's and batch-invariant mode's heads)."""
-    dequantize = quantized.dequantize_q4_ref if fmt.bits == 4 else quantized.dequantize_q8_ref
+    dequantize = quantized.dequantize_q4_ref if fmt.has_mins else quantized.dequantize_q8_ref
     return dequantize(*fields, torch.float32)
 
 
@@ -94,7 +94,7 @@ def compiled_quantized_head(engine_config: EngineConfig) -> Callable | None:
 
     def product(x, fmt, fields, bias):
         if x.shape[0] <= LogitsProcessor.SMALL_BATCH and bias is None:
-            return small[fmt.bits == 4](x, *fields)
+            return small[fmt.has_mins](x, *fields)
         return F.linear(x.float(), reference_values(fmt, fields), bias)
 
     return product

@@ -128,7 +128,7 @@ def check_invariant_products(model: nn.Module, engine_config: EngineConfig) -> N
             shape = (module.embedding_dim, module.num_embeddings_per_partition)
         held = formats_held(module)
         if held and blocks:  # q4's long steps: a dense copy's GEMM in tall tiles
-            if isinstance(module, LinearBase) and any(f.bits == 4 for f, _ in held):
+            if isinstance(module, LinearBase) and any(f.has_mins for f, _ in held):
                 long_shapes.add(shape)
             continue
         dequantized = dequantized or bool(held)
@@ -162,7 +162,7 @@ def check_invariant_blocks(model: nn.Module, engine_config: EngineConfig) -> Non
                 continue
             seen.add(key)
             w = fields[0]
-            k = w.shape[-1] * 2 if fmt.bits == 4 else quantized.q8_columns(w)
+            k = quantized.q4_columns(w, fields[1]) if fmt.has_mins else quantized.q8_columns(w)
             x = torch.randn(48, k, generator=g).to(engine_config.model_config.dtype)
             if rows := invariant_rows_that_differ(fmt, fields, x):
                 raise NotBatchInvariant(

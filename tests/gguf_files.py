@@ -1,7 +1,7 @@
 """Small GGUF files for tests, written with gguf-py (llama.cpp's own Python package) the
 way llama.cpp's converter writes them: llama.cpp's tensor names, the q and k projections'
 rows permuted for its RoPE, each weight quantized with gguf-py's reference quantizer
-(ours for Q4_K and Q6_K, which it lacks).
+(ours for Q4_K, Q5_K and Q6_K, which it lacks).
 Returns the oracle beside the file: the HF model with every weight replaced by gguf-py's
 own dequantization of its blocks."""
 
@@ -37,13 +37,15 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's converter'
     )
 
 
-def _quantize_q4_k(w: np.ndarray) -> np.ndarray:
+def _quantize_q4_k(w: np.ndarray, top: int = 15) -> np.ndarray:
     """Q4_K blocks of w [rows, 256 n] (gguf-py quantizes no K-quant): per run of 32 a scale
     (max - min) / 15 and a min, both as 6-bit multiples of the super-block's d and dmin;
-    packed in llama.cpp's layout (d, dmin, 12 bytes of 6-bit scales and mins, nibbles)."""
+    packed in llama.cpp's layout (d, dmin, 12 bytes of 6-bit scales and mins, nibbles).
+    `top` 31: Q5_K's, its fifth bits in 32 bytes between scales and nibbles (bit r of
+    byte l: run r's value l)."""
     x = w.reshape(w.shape[0], -1, 8, 32).astype(np.float32)
     lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
-    scale, minus = (hi - lo) / 15, -lo
+    scale, minus = (hi - lo) / top, -lo
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (minus.max(-1) / 63).astype(np.float16)
     df, dminf = np.maximum(d.astype(np.float32), 1e-8), np.maximum(dmin.astype(np.float32), 1e-8)
@@ -51,15 +53,18 @@ def _quantize_q4_k(w: np.ndarray) -> np.ndarray:
     m = np.clip(np.rint(minus / dminf[..., None]), 0, 63).astype(np.uint8)
     step = (d.astype(np.float32)[..., None] * sc)[..., None]
     off = (dmin.astype(np.float32)[..., None] * m)[..., None]
-    q = np.clip(np.rint((x + off) / np.maximum(step, 1e-8)), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((x + off) / np.maximum(step, 1e-8)), 0, top).astype(np.uint8)
     packed = np.zeros((*sc.shape[:2], 12), dtype=np.uint8)
     packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
     packed[..., 4:8] = m[..., :4] | ((m[..., 4:] >> 4) << 6)
     packed[..., 8:12] = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
-    q = q.reshape(*sc.shape[:2], 4, 2, 32)
-    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*sc.shape[:2], 128)
     head = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8)], -1)
-    return np.concatenate([head, packed, qs], -1).reshape(w.shape[0], -1)
+    parts = [head, packed]
+    if top == 31:  # [.., run r, l] -> byte l's bit r
+        parts.append(sum(((q[..., r, :] >> 4) & 1) << r for r in range(8)).astype(np.uint8))
+    q = (q & 15).reshape(*sc.shape[:2], 4, 2, 32)
+    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*sc.shape[:2], 128)
+    return np.concatenate([*parts, qs], -1).reshape(w.shape[0], -1)
 
 
 def _quantize_q6_k(w: np.ndarray) -> np.ndarray:
@@ -82,8 +87,8 @@ def _quantize_q6_k(w: np.ndarray) -> np.ndarray:
 
 def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     """GGUF blocks of w: gguf-py's quantizer, or ours for the K-quants it lacks."""
-    if qtype == Q.Q4_K:
-        return _quantize_q4_k(w)
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return _quantize_q4_k(w, 15 if qtype == Q.Q4_K else 31)
     if qtype == Q.Q6_K:
         return _quantize_q6_k(w)
     return quants.quantize(w, qtype)

@@ -218,6 +218,19 @@ def test_uuid_changes_when_a_pass_is_edited(tmp_path):
     assert AddRMSNormFusionPass().uuid() == AddRMSNormFusionPass().uuid()
 
 
+def test_uuid_follows_the_ops_modules_a_pass_reaches_through_imports():
+    """The dequantize decomposition traces `dequantize_q4_ref`, which calls the K-quants'
+    layouts in `passes.ops.quant_layout` (imported by `passes.ops.quantized`): an edit
+    there must change the pass's key, or a compile cache serves code traced from the old
+    layout (it did: a Q5_K embedding kept a stale unpacking)."""
+    from passes.decompose_dequantize import DecomposeDequantizePass
+    from passes.ops import quant_layout
+
+    names = {m.__name__ for m in DecomposeDequantizePass().source_objects()}
+    assert {"passes.ops.quantized", quant_layout.__name__} <= names
+    assert "passes.ops.qkv_rope" not in names  # not reached: no spurious misses
+
+
 class LinearToy(nn.Module):
     def __init__(self):
         super().__init__()

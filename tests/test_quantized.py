@@ -59,10 +59,13 @@ def _compact(g, n, groups, top, sign):
     return torch.cat([sub, sup.view(torch.uint8)], 1)
 
 
-def _q4_fields(g, n, k, group=32, k_quant=False):
-    """q4 fields; `k_quant`: Q4_K's compact scales and mins (k a multiple of 256)."""
+def _q4_fields(g, n, k, group=32, k_quant=False, five=False):
+    """q4 fields; `k_quant`: Q4_K's compact scales and mins (k a multiple of 256); `five`:
+    Q5_K's, values in [0, 31] packed in 5 bits as GGUF files load them."""
     w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    if k_quant:
+    if five:
+        w = quantized.pack_q5(torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g))
+    if k_quant or five:
         return w, _compact(g, n, k // group, 0.05, 1), _compact(g, n, k // group, 0.4, -1)
     return w, _scales(g, (n, k // group), 0.05), -_scales(g, (n, k // group), 0.4)
 
@@ -91,7 +94,7 @@ def _q8_fields(g, n, k, group=32, k_quant=False, packed=True):
     return w, _scales(g, (n, k // group), 0.01)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_gguf_blocks_dequantize_as_gguf_py_does(qtype):
     """Our fields of a GGUF tensor dequantize to exactly gguf-py's values (the K-quants'
     blocks from our test quantizer: gguf-py reads them, it cannot write them)."""
@@ -110,21 +113,24 @@ def test_gguf_blocks_dequantize_as_gguf_py_does(qtype):
 @given(
     rows=st.sampled_from([1, 2, 3, 4, 5, 7, 16, 17, 33, 130]), n=st.integers(1, 40),
     runs=st.integers(1, 6),
-    bits=st.sampled_from([4, 8]), per_channel=st.booleans(), bias=st.booleans(),
+    bits=st.sampled_from([4, 5, 8]), per_channel=st.booleans(), bias=st.booleans(),
     k_quant=st.booleans(), seed=st.integers(0, 2**16),
 )  # fmt: skip
 def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_channel, bias,
                                                        k_quant, seed):  # fmt: skip
     """fp32 activations stay in fp32: the product read from blocks equals the fp32
     reference up to summation order, for any row count (the kernel's up to 32 or 128, the
-    reference's beyond), tails and a whole-row group."""
+    reference's beyond), tails and a whole-row group. bits 5: Q5_K's (each row
+    dequantized in the kernel: its row products read 5 bits on the bf16 path only)."""
     g = torch.Generator().manual_seed(seed)
+    k_quant, five = k_quant or bits == 5, bits == 5
+    bits = 4 if five else bits
     k = 256 * runs if k_quant else 32 * runs  # the K-quants: whole super-blocks
     group = k if per_channel and bits == 8 else 16 if k_quant and bits == 8 else 32  # Q6_K: 16
     x = torch.randn(rows, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     if bits == 4:
-        fields = _q4_fields(g, n, k, k_quant=k_quant)
+        fields = _q4_fields(g, n, k, k_quant=k_quant, five=five)
         got = ops.q4_linear(x, *fields, b)
         want = F.linear(x.double(), quantized.dequantize_q4_ref(*fields, torch.float64),
                         None if b is None else b.double())  # fmt: skip
@@ -139,18 +145,21 @@ def test_fp32_products_equal_the_dequantized_reference(rows, n, runs, bits, per_
 
 
 @testing.settings(max_examples=30)
-@given(n=st.integers(1, 40), runs=st.integers(1, 6), bits=st.sampled_from([4, 8]),
+@given(n=st.integers(1, 40), runs=st.integers(1, 6), bits=st.sampled_from([4, 5, 8]),
        per_channel=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        k_quant=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
 def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
     n, runs, bits, per_channel, dtype, k_quant, seed
 ):
     """The CPU op (what a prefill's products and an eager embedding read) is the kernel's
-    dequantization; it must give the reference's values exactly, in fp32 and in bf16."""
+    dequantization; it must give the reference's values exactly, in fp32 and in bf16
+    (bits 5: Q5_K's)."""
     g = torch.Generator().manual_seed(seed)
+    k_quant, five = k_quant or bits == 5, bits == 5
+    bits = 4 if five else bits
     k = 256 * runs if k_quant else 32 * runs  # the K-quants: whole super-blocks
     if bits == 4:
-        fields = _q4_fields(g, n, k, k_quant=k_quant)
+        fields = _q4_fields(g, n, k, k_quant=k_quant, five=five)
         got = ops.dequantize_q4(*fields, dtype)
         want = quantized.dequantize_q4_ref(*fields, dtype)
     else:
@@ -162,7 +171,8 @@ def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
 
 @testing.settings(max_examples=20)
 @given(rows=st.integers(1, 16), n=st.integers(1, 40), runs=st.sampled_from([2, 4, 18]),
-       fmt=st.sampled_from(["q4", "q4_k", "q4_g128", "q8", "q6_k", "q6_k_int8", "int8"]),
+       fmt=st.sampled_from(["q4", "q4_k", "q5_k", "q4_g128", "q8", "q6_k", "q6_k_int8",
+                            "int8"]),
        outliers=st.booleans(), int8_x=st.booleans(),
        seed=st.integers(0, 2**16))  # fmt: skip
 def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers, int8_x, seed):
@@ -180,15 +190,16 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     row products for 1-2 rows and Q6_K's (6 bits) for 1-5, under the same bound."""
     g = torch.Generator().manual_seed(seed)
     whole = 256 * max(1, runs // 4)  # the K-quants' super-blocks
-    k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole}.get(fmt, 32 * runs)
+    k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole, "q5_k": whole}.get(fmt, 32 * runs)
     k = whole if fmt.startswith("q6_k") else k
     runs = k // 32
     x = torch.randn(rows, k, generator=g)
     if outliers:  # a channel ~1000x the rest, as real models' activations have
         x[:, 5::37] *= 1000
     x = x.bfloat16()
-    if fmt.startswith("q4"):
-        fields = _q4_fields(g, n, k, 128 if fmt == "q4_g128" else 32, fmt == "q4_k")
+    if fmt.startswith(("q4", "q5")):  # q5_k: Q5_K's, as exact as q4's
+        fields = _q4_fields(g, n, k, 128 if fmt == "q4_g128" else 32, fmt == "q4_k",
+                            fmt == "q5_k")  # fmt: skip
         got = ops.q4_linear(x, *fields, None, torch.float32)
         w = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
@@ -201,10 +212,11 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     sums = xd.abs() @ w.abs().T  # what fp32 sums can lose, relative
     bound = sums * 1e-5 + 1e-6
     path = quantized.kernel_path()
-    # (an upper bound for Q8_0's 3-5 rows; Q6_K's 6 rows and more take the exact strips)
+    # (an upper bound for Q8_0's 3-5 rows; Q6_K's 6 rows and more take the exact strips
+    # where there are 16 weight rows for one)
     int8_x = int8_x and (
         quantized.int8_strips()
-        and (fmt == "q8" or fmt == "q6_k" and rows < 6)
+        and (fmt == "q8" or fmt == "q6_k" and (rows < 6 or n < 16))
         or fmt == "q8"
         and rows <= quantized.int8_rows()  # AVX2's row products
     )
@@ -212,7 +224,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
         run_w = w.abs().reshape(n, runs, 32).sum(-1)  # [n, runs]
         bound = bound + (run_max / 254) @ run_w.T * 1.001
-    if path == "bf16" and fmt.startswith("q4"):
+    if path == "bf16" and fmt.startswith(("q4", "q5")):
         # The offsets come off per group, (m - 128 d) X, so fp32 sums hold terms
         # ~(256 d + |m|) sum|x| that cancel.
         group_abs = xd.abs().reshape(rows, quantized.groups_of(fields[1]), -1).sum(-1)
@@ -225,7 +237,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
 
 
 @pytest.mark.parametrize(
-    "fmt", ["q8", "q8_int8_x", "q6_k", "q6_k_int8", "int8", "q4", "q4_k", "q4_g128"]
+    "fmt", ["q8", "q8_int8_x", "q6_k", "q6_k_int8", "int8", "q4", "q4_k", "q5_k", "q4_g128"]
 )
 @pytest.mark.parametrize("rows", [21, 4, 1])
 def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
@@ -240,8 +252,9 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     n, k = 40, 256
     x = torch.randn(rows, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
-    if fmt.startswith("q4"):
-        fields = _q4_fields(g, n, k, 128 if fmt == "q4_g128" else 32, fmt == "q4_k")
+    if fmt.startswith(("q4", "q5")):
+        fields = _q4_fields(g, n, k, 128 if fmt == "q4_g128" else 32, fmt == "q4_k",
+                            fmt == "q5_k")  # fmt: skip
         got = ops.q4_linear(x, *fields, bias, torch.bfloat16).double()
         values = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
@@ -265,7 +278,7 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     assert bool(((got - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q4", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q4", "q6_k"])
 @pytest.mark.parametrize("rows", [1, 3, 5, 7, 8])
 def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
     """`int8_x` on q4 (which the pass gives Q4_K's products) and on Q6_K's 6-bit values:
@@ -273,7 +286,8 @@ def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
     for q4, 6 for q8) quantize each run of 32 activations to int8 against max |x| / 127,
     which moves an output by at most sum over runs of (max |x| in the run / 254) * sum
     |d q| over the run (q4's mins and Q6_K's offset multiply x's exact sums); a last pair
-    of runs (K % 128 = 64) included. Elsewhere the argument changes nothing."""
+    of runs (K % 128 = 64) included. Q5_K's 5-bit rows have no strips: their row products
+    take it at every row count. Elsewhere the argument changes nothing."""
     g = torch.Generator().manual_seed(rows)
     n, k = 40, 576 if fmt == "q4" else 512
     x = torch.randn(rows, k, generator=g)
@@ -284,12 +298,13 @@ def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
         product = functools.partial(ops.q8_linear, x, *fields, None, torch.float32)
         values = steps = quantized.dequantize_q8_ref(*fields, torch.float64)
     else:
-        fields = _q4_fields(g, n, k, 32, fmt == "q4_k")
+        fields = _q4_fields(g, n, k, 32, fmt == "q4_k", fmt == "q5_k")
         product = functools.partial(ops.q4_linear, x, *fields, None, torch.float32)
         values = quantized.dequantize_q4_ref(*fields, torch.float64)
         steps = values - _values(fields[2]).double().repeat_interleave(32, 1)  # d q, no min
     exact, got = product(), product(True)
-    if not quantized.int8_strips() or rows >= (6 if fmt == "q6_k" else 8):
+    strips = {"q6_k": 6, "q5_k": None}.get(fmt, 8)
+    if not quantized.int8_strips() or strips is not None and rows >= strips:
         assert torch.equal(got, exact)
         return
     want = x.double() @ values.T
@@ -324,7 +339,7 @@ def test_the_pass_gives_int8_activations_to_k_quants_only():
         assert (nodes[0].args[6] if len(nodes[0].args) > 6 else False) == k_quant
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q6_k", "q4", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q8", "q6_k", "q4", "q4_k", "q5_k"])
 @pytest.mark.parametrize("rows", [1, 21])
 def test_products_are_the_same_whichever_thread_takes_a_row(fmt, rows):
     """The products hand out their rows (and strips) by OpenMP's guided schedule, so which
@@ -333,8 +348,8 @@ def test_products_are_the_same_whichever_thread_takes_a_row(fmt, rows):
     g = torch.Generator().manual_seed(rows)
     n, k = 1000, 256
     x = torch.randn(rows, k, generator=g).bfloat16()
-    if fmt.startswith("q4"):
-        fields = _q4_fields(g, n, k, 32, fmt == "q4_k")
+    if fmt.startswith(("q4", "q5")):
+        fields = _q4_fields(g, n, k, 32, fmt == "q4_k", fmt == "q5_k")
         product = functools.partial(ops.q4_linear, x, *fields, None, torch.float32)
     else:
         fields = _q8_fields(g, n, k, 16 if fmt == "q6_k" else 32, fmt == "q6_k")
@@ -447,6 +462,7 @@ def _invariance_cases():
     return {
         "q4 g32": ("q4", _q4_fields(g, n, k)),
         "Q4_K": ("q4", _q4_fields(g, n, k, 32, k_quant=True)),
+        "Q5_K": ("q4", _q4_fields(g, n, k, 32, five=True)),
         "q8 g32": ("q8", _q8_fields(g, n, k, 32)),
         "q8 per channel": ("q8", _q8_fields(g, n, k, k)),
         "Q6_K": ("q8", _q8_fields(g, n, k, k_quant=True)),
@@ -456,7 +472,7 @@ def _invariance_cases():
 def _rows_that_differ(kind, fields, dtype, invariant):
     """The row counts m (1-32) whose product gives the first m rows other bits than the
     same rows among 48, int8 activations allowed (the default's widest choice of paths)."""
-    k = quantized.q8_columns(fields[0]) if kind == "q8" else fields[0].shape[-1] * 2
+    k = quantized.q8_columns(fields[0]) if kind == "q8" else quantized.q4_columns(*fields[:2])
     x = torch.randn(48, k, generator=torch.Generator().manual_seed(3)).to(dtype)
     op = ops.q4_linear if kind == "q4" else ops.q8_linear
     full = op(x, *fields, None, None, True, invariant)
@@ -476,7 +492,7 @@ def test_invariant_products_give_a_row_its_bits_at_every_row_count(case, dtype):
 
     kind, fields = _invariance_cases()[case]
     assert quantized.kernel_invariant_rows() in (None, quantized.INVARIANT_ROWS)
-    k = quantized.q8_columns(fields[0]) if kind == "q8" else fields[0].shape[-1] * 2
+    k = quantized.q8_columns(fields[0]) if kind == "q8" else quantized.q4_columns(*fields[:2])
     x = torch.randn(48, k, generator=torch.Generator().manual_seed(3)).to(dtype)
     fmt = QuantFormat(4 if kind == "q4" else 8, 32)
     assert invariant_rows_that_differ(fmt, fields, x) == []
@@ -716,10 +732,12 @@ def test_gguf_logits_match_hf_on_the_dequantized_weights(tiny_gguf):
 
 def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     """A Q4_K_M-like mix (Q4_K; Q6_K for the MLP's down projection, the head and one
-    layer's v projection): Q4_K layers hold q4 blocks and Q6_K ones q8 blocks in groups of
-    16 with their values in 6 bits, both with their scales as stored; the fused QKV whose
-    parts differ holds each part in its own format, and one whose v is Q5_0 (not kept)
-    loads as floats. Logits against HF holding gguf-py's dequantization of every block."""
+    layer's v projection; Q5_K for the embedding and one layer's gate and up): Q4_K layers
+    hold q4 blocks, Q5_K ones q4 blocks with their values in 5 bits (where our kernels
+    read them: AVX512-BF16; else floats) and Q6_K ones q8 blocks in groups of 16 with
+    their values in 6 bits, all with their scales as stored; the fused QKV whose parts
+    differ holds each part in its own format, and one whose v is Q5_0 (not kept) loads as
+    floats. Logits against HF holding gguf-py's dequantization of every block."""
     from tests.gguf_files import write_gguf
     from tests.helpers import llama_config, save_checkpoint
 
@@ -728,10 +746,18 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     hf = save_checkpoint(tmp_path / "hf", config)
     path = tmp_path / "k.gguf"
     types = {"mlp.down_proj": Q.Q6_K, "lm_head": Q.Q6_K, "layers.1.self_attn.v_proj": Q.Q6_K,
-             "layers.2.self_attn.v_proj": Q.Q5_0}  # fmt: skip
+             "layers.2.self_attn.v_proj": Q.Q5_0, "embed_tokens": Q.Q5_K,
+             "layers.0.mlp.gate_proj": Q.Q5_K, "layers.0.mlp.up_proj": Q.Q5_K}  # fmt: skip
     oracle = write_gguf(path, hf, types, Q.Q4_K)
     quant = gguf.quant_config(path)
     q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(6, 16, torch.int8)
+    five = gguf.keeps_q5_k("cpu")
+    q5_k = QuantFormat(5, 32, torch.uint8)
+    assert (quant.formats.get("model.layers.0.mlp.gate_up_proj") == q5_k) == five
+    assert (quant.formats.get("model.embed_tokens") == q5_k) == five
+    # Off the CPU the Triton products read no 5-bit rows: Q5_K loads as floats there.
+    on_gpu = gguf.quant_config(path, "cuda")
+    assert "model.embed_tokens" not in on_gpu.formats and on_gpu.formats["lm_head"] == q6_k
     assert quant.formats["model.layers.0.self_attn.qkv_proj"] == q4_k
     assert quant.formats["model.layers.0.mlp.down_proj"] == q6_k
     assert quant.formats["lm_head"] == q6_k
@@ -740,6 +766,9 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     model, engine_config = load_ours(path, quant_config=quant,
                                      hf_config=load_hf_config(gguf.metadata_dir(path)))  # fmt: skip
     assert model.model.layers[0].mlp.down_proj.scales.dtype == torch.int8
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    held = gate_up.qweight.shape[1] == 256 // 8 * 5 if five else gate_up.weight.is_floating_point()
+    assert held
     qkv = model.model.layers[1].self_attn.qkv_proj
     assert qkv.qweight_v.dtype == torch.uint8 and qkv.qweight_v.shape[1] == 256 // 4 * 3
     assert not hasattr(qkv, "weight") and qkv.scales_v.shape[1] == 256 // 16 + 4
@@ -761,7 +790,7 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layers", ["q4_1", "q8_0", "k_mix"])
+@pytest.mark.parametrize("layers", ["q4_1", "q8_0", "k_mix", "q5_k_m"])
 def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir, tmp_path,
                                            layers):  # fmt: skip
     """The engine on a GGUF file, compiled (the quantized products recorded into CPU
@@ -770,7 +799,9 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
     the tokens against HF fp32 on the file's dequantized weights up to the first near tie;
     compiled with exact products (`int8_activations` off) against eager, and with the
     default's int8 activations in the strips against HF up to the first tie within 0.05.
-    `k_mix`: Q4_K with Q6_K v projections (each QKV's parts multiplied apart), in fp32."""
+    `k_mix`: Q4_K with Q6_K v projections (each QKV's parts multiplied apart), in fp32.
+    `q5_k_m`: Q5_K with Q6_K down projections and head, as llama.cpp's Q5_K_M, in bf16
+    (the 5-bit row products where AVX512-BF16 builds them)."""
     from runtime import LLM, SamplingParams
     from tests.gguf_files import write_gguf
     from tests.helpers import hf_greedy_checked, llama_config, save_checkpoint
@@ -786,16 +817,22 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
             config = llama_config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                   num_key_value_heads=2)  # fmt: skip
             hf = save_checkpoint(tmp_path / "hf", config)
-            oracle = write_gguf(tmp_path / "q.gguf", hf, {"v_proj": Q.Q6_K}, Q.Q4_K)
+            if layers == "k_mix":
+                oracle = write_gguf(tmp_path / "q.gguf", hf, {"v_proj": Q.Q6_K}, Q.Q4_K)
+            else:
+                types = {"down_proj": Q.Q6_K, "lm_head": Q.Q6_K}
+                oracle = write_gguf(tmp_path / "q.gguf", hf, types, Q.Q5_K)
         prompts = [[5 + i, 17, 33, 2 * i] for i in range(8)] + [[40, 41, 42, 43, 44, 45, 46]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []
-    # k_mix in fp32: this model's logits (~4) move by more than HF's near-tie margin under
-    # bf16 activations, and eager in bf16 rounds the K-quants' values (fp32 scales).
-    dtype = "float32" if layers == "k_mix" else "auto"
-    runs = [(True, False, True), (False, False, True)]
-    runs += [(False, True, True), (False, False, False)] * (layers == "q8_0")
-    for eager, int8, native in runs:  # (enforce_eager, int8_activations, native_kernels)
+    # The K-quants in fp32: this model's logits (~4) move by more than HF's near-tie margin
+    # under bf16 activations, and eager in bf16 rounds their values (fp32 scales); Q5_K's
+    # 5-bit row products (bf16 only) then run against HF with the int8 run's margin.
+    dtype = "float32" if layers in ("k_mix", "q5_k_m") else "auto"
+    runs = [(True, False, True, dtype), (False, False, True, dtype)]
+    runs += [(False, True, True, dtype), (False, False, False, dtype)] * (layers == "q8_0")
+    runs += [(False, False, True, "bfloat16")] * (layers == "q5_k_m")
+    for eager, int8, native, dtype in runs:  # (enforce_eager, int8_activations, native_kernels)
         passes = {"int8_activations": int8, "native_kernels": native}
         llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128,
                   dtype=dtype, compilation_config={"passes": passes})  # fmt: skip
@@ -808,11 +845,12 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
         assert sum(checked for _, checked in wanted) >= 40, "near ties too early"
         for got, (want, checked) in zip(outs[1], wanted):
             assert got[:checked] == want[:checked]
-    if layers == "q8_0":
+    if layers in ("q8_0", "q5_k_m"):
         wanted = [hf_greedy_checked(oracle, p, 12, 0.05) for p in prompts]
         assert sum(checked for _, checked in wanted) >= 25, "near ties too early"
         for got, (want, checked) in zip(outs[2], wanted):
             assert got[:checked] == want[:checked]
+    if layers == "q8_0":
         # native_kernels=False: the compiler's products, the (tied Q8_0) head included.
         wanted = [hf_greedy_checked(oracle, p, 12, 0.02) for p in prompts]
         for got, (want, checked) in zip(outs[3], wanted):

@@ -27,8 +27,9 @@ from passes.ops.quantized import GROUPS_PER_SUPER, q4_int8_x, unpack_q6
 
 @dataclass(frozen=True)
 class QuantFormat:
-    # 4 (q4: scale and min per group), 8 (q8: scale per group) or 6 (q8's values kept in
-    # 6 bits: Q6_K's, passes/ops/quantized.py `pack_q6`)
+    # 4 (q4: scale and min per group), 8 (q8: scale per group), 6 (q8's values kept in
+    # 6 bits: Q6_K's, passes/ops/quant_layout.py `pack_q6`) or 5 (q4's in 5 bits: Q5_K's,
+    # `pack_q5`)
     bits: int
     group: int  # values per scale; 0: one scale per row (per output channel)
     # The K-quants' scales as stored (passes/ops/quantized.py: `expand_compact`): uint8 for
@@ -37,14 +38,21 @@ class QuantFormat:
     scale_dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 6, 8):
-            raise ValueError(f"block formats have 4, 6 or 8 bits, not {self.bits}")
-        if self.scale_dtype == torch.uint8 and self.bits != 4:
-            raise ValueError("compact uint8 scales are Q4_K's: 4 bits only")
-        if self.scale_dtype == torch.int8 and self.bits == 4:
+        if self.bits not in (4, 5, 6, 8):
+            raise ValueError(f"block formats have 4, 5, 6 or 8 bits, not {self.bits}")
+        if self.scale_dtype == torch.uint8 and not self.has_mins:
+            raise ValueError("compact uint8 scales are Q4_K's and Q5_K's: 4 or 5 bits only")
+        if self.scale_dtype == torch.int8 and self.has_mins:
             raise ValueError("compact int8 scales are Q6_K's: 6 or 8 bits only")
+        if self.bits == 5 and (self.scale_dtype != torch.uint8 or self.group != 32):
+            raise ValueError("5-bit values are Q5_K's: groups of 32, compact uint8 scales")
         if self.bits == 6 and (self.scale_dtype != torch.int8 or self.group != 16):
             raise ValueError("6-bit values are Q6_K's: groups of 16, compact int8 scales")
+
+    @property
+    def has_mins(self) -> bool:
+        """q4's fields (a min per group; Q5_K's too), which the q4 ops read."""
+        return self.bits in (4, 5)
 
     @property
     def compact(self) -> bool:
@@ -56,7 +64,7 @@ class QuantFormat:
     def fields(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Each field's shape and dtype for a [rows, cols] weight."""
         g = self.group_size(cols)
-        step = 32 if self.bits == 4 else 16  # the kernel's run of values
+        step = 32 if self.has_mins else 16  # the kernel's run of values
         if cols % g or g % step:
             raise ValueError(
                 f"a {self.bits}-bit weight of {cols} columns cannot be held in groups of {g} "
@@ -73,15 +81,18 @@ class QuantFormat:
             return {"qweight": ((rows, cols), torch.int8), "scales": scales}
         if self.bits == 6:  # whole super-blocks (above): whole chunks of 128
             return {"qweight": ((rows, cols // 4 * 3), torch.uint8), "scales": scales}
+        if self.bits == 5:
+            return {"qweight": ((rows, cols // 8 * 5), torch.uint8), "scales": scales,
+                    "mins": scales}  # fmt: skip
         return {"qweight": ((rows, cols // 2), torch.uint8), "scales": scales, "mins": scales}
 
     def names(self) -> tuple[str, ...]:
-        return ("qweight", "scales", "mins") if self.bits == 4 else ("qweight", "scales")
+        return ("qweight", "scales", "mins") if self.has_mins else ("qweight", "scales")
 
     def dequantize(self, fields: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The values of `fields` (in `names()` order) in `dtype`."""
         ops = torch.ops.compilecore
-        if self.bits == 4:
+        if self.has_mins:
             return ops.dequantize_q4(*fields, dtype)
         return ops.dequantize_q8(*fields, dtype)
 
@@ -92,7 +103,7 @@ class QuantFormat:
         which runs outside compiled code); `int8_x`, `invariant`: the ops' arguments of
         those names."""
         ops = torch.ops.compilecore
-        if self.bits == 4:  # as the pass gives them (`q4_int8_x`)
+        if self.has_mins:  # as the pass gives them (`q4_int8_x`)
             int8_x = q4_int8_x(fields[1], int8_x)
             return ops.q4_linear(x, *fields, bias, out_dtype, int8_x, invariant)
         return ops.q8_linear(x, *fields, bias, out_dtype, int8_x, invariant)

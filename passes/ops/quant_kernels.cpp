@@ -4,14 +4,15 @@
 // they are stored compact, as Q4_K's (q4) or Q6_K's (q8) super-blocks hold them
 // (`CompactScales` below), bit 5: x may be quantized to int8 (Q8_0's products: `Strip8`,
 // q4's row products: `row_product_q4_int8`), bit 6: q8's values are Q6_K's, packed in 6
-// bits (`unpack_q6_row`), bit 7: batch-invariant (the exact row products at every row
-// count; bit 5 ignored).
+// bits (`unpack_q6_row`), or q4's are Q5_K's, packed in 5 (`unpack_q5_row`), bit 7:
+// batch-invariant (the exact row products at every row count; bit 5 ignored).
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
 //       and value j + 16 in its high one (GGUF's Q4_0 / Q4_1 order); scales and mins fp16
 //       or fp32 [N, K/g]; value = scale * q + min. GGUF Q4_1 as stored, Q4_0 with min =
-//       -8 scale, Q4_K with fp32 scales and mins (its nibbles reordered at load).
+//       -8 scale, Q4_K with fp32 scales and mins (its nibbles reordered at load); Q5_K
+//       as Q4_K, its values u in [0, 31] kept in 5 bits: w uint8 [N, 5K/8].
 //   q8: w int8 [N, K], scales fp16 or fp32 [N, K/g]; value = scale * q. GGUF Q8_0 (g =
 //       32), int8 per output channel (g = K); Q6_K (g = 16, compact scales, q - 32) with
 //       w uint8 [N, 3K/4], its 6-bit values packed as `unpack_q6_row` reads them.
@@ -135,17 +136,22 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // INVARIANT_ROWS rows, the strips above, so that a row's bits never depend on the other
   // rows of its step (tests/test_quantized.py).
   if (flags & 128) flags &= ~int64_t(32);
+  // Q5_K's packed rows (flags bit 6 on q4; compact scales, K whole super-blocks): the bf16
+  // path's row products read them in place at every row count (no strips), on int8
+  // activations where the caller allows them (with AVX512-VNNI, as Q4_K's); other paths
+  // take each row dequantized (`dequantize_q5_row`).
+  const bool five = Q4 && Compact && (flags & 64);
   const int64_t bf = flags & 1;
-  Path path = choose(Q4, bf, K, g, flags & 32);
+  Path path = choose(Q4, bf, K, g, (flags & 32) && !five);
   // Q6_K's packed rows (compact scales, K whole super-blocks): the bf16 row product reads
   // them in place, with x reordered and summed per 16 as q4's; other paths unpack a row
   // (or a strip's 16) to int8 first.
   const bool six = !Q4 && Compact && (flags & 64);
-  const int64_t row_bytes = Q4 ? K / 2 : six ? K / 4 * 3 : K;
+  const int64_t row_bytes = five ? K / 128 * Q5_CHUNK_BYTES : Q4 ? K / 2 : six ? K / 4 * 3 : K;
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
   const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
-  const bool strips = path == Path::bf16 && N >= TILE_N &&
+  const bool strips = path == Path::bf16 && N >= TILE_N && !five &&
                       ((flags & 128) ? M > INVARIANT_ROWS : M >= tiled_rows);
   // Q8_0 with int8 activations where the caller allows it (flags bit 5), as llama.cpp
   // multiplies: its strips from 6 rows, the integer row product up to INT8_ROWS_Q8 rows
@@ -161,7 +167,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool x_chunks = (Q4 || six) && path == Path::bf16 && !int8_q4 && !int8_six;
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8) path = Path::int8;
   // q4's fp32 row products on AVX2 take x's sums per group (`row_product_q4_sums`).
-  const bool q4_sums = Q4 && CC_AVX2_ROWS && path == Path::fp32;
+  const bool q4_sums = Q4 && !five && CC_AVX2_ROWS && path == Path::fp32;
   // Q8_0's row products on AVX2 with int8 activations where the caller allows them (1-2
   // rows, as on AVX512-VNNI): `row_product_q8_int8`.
   const bool avx2_int8 = !Q4 && !Compact && CC_AVX2_ROWS && path == Path::fp32 && bf &&
@@ -179,12 +185,15 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t strip_floats = strips ? K * 8 + 2 * strip_groups * TILE_N + 16 : 0;
   const bool unpack = six && path != Path::bf16;  // rows unpacked in the row loop (and
   // a strip's 16 before it packs them, into the same buffer)
+  const bool five_rows = five && path != Path::bf16;  // a row's values, then its bytes
   float* xf = scratch(M * (x_floats + per_row) + strip_floats +
-                      (Compact ? 2 * TILE_N * groups : 0) + (six ? TILE_N * K / 4 : 0));
+                      (Compact ? 2 * TILE_N * groups : 0) + (six ? TILE_N * K / 4 : 0) +
+                      (five_rows ? K + K / 4 : 0));
   float* extra = xf + M * x_floats;
   float* scale_buf = extra + M * per_row + strip_floats;  // compact rows decoded
   float* min_buf = scale_buf + TILE_N * groups;
   int8_t* unpacked = reinterpret_cast<int8_t*>(min_buf + TILE_N * groups);
+  float* five_values = min_buf + TILE_N * groups;  // (`unpacked` is Q6_K's)
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
 #if CC_AVX2_ROWS
   if (q4_sums)
@@ -348,6 +357,18 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     const auto sp = fields_at<Q4, Compact>(scales, groups, n, s);
     const auto mp = fields_at<Q4, Compact>(Q4 ? mins : nullptr, groups, n, mn);
 #endif
+    if constexpr (Q4 && Compact) {
+      if (five_rows) {  // fp32 x [M, K] (the fp32 path; no int8 path for Q5_K)
+        dequantize_q5_row(reinterpret_cast<const uint8_t*>(wrow), s, mn, K, g,
+                          reinterpret_cast<uint8_t*>(five_values + K), five_values);
+        for (int64_t m = 0; m < M; ++m) {
+          float total = 0.f;
+          for (int64_t k = 0; k < K; ++k) total += xf[m * K + k] * five_values[k];
+          store(y, flags, bias, N, n, m, 1, &total);
+        }
+        continue;
+      }
+    }
     for (int64_t m0 = 0; m0 < M; m0 += MB_MAX) {
       float out[MB_MAX];
       const int64_t mb = M - m0 < MB_MAX ? M - m0 : MB_MAX;
@@ -393,7 +414,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Int8Chunks rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = int8_chunks(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          CC_BY_ROWS(mb, row_product_q4_int8<MB>(rm, K, wq, sp, mp, shift, out));
+          if (five) CC_BY_ROWS(mb, row_product_q4_int8<MB, true>(rm, K, wq, sp, mp, shift, out));
+          else CC_BY_ROWS(mb, row_product_q4_int8<MB>(rm, K, wq, sp, mp, shift, out));
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
@@ -404,7 +426,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Bf16Row rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          CC_BY_ROWS(mb, row_product_q4_bf16<MB>(rm, K, wq, sp, mp, shift, out));
+          if (five) CC_BY_ROWS(mb, row_product_q4_bf16<MB, true>(rm, K, wq, sp, mp, shift, out));
+          else CC_BY_ROWS(mb, row_product_q4_bf16<MB>(rm, K, wq, sp, mp, shift, out));
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }

@@ -9,7 +9,8 @@ slice of each field, and a slice of input columns one of whole groups):
   value = scale * q + min. GGUF Q4_1 as stored; Q4_0 is min = -8 scale; int4 groups;
   Q4_K with its scales and mins as stored (compact): uint8 [N, G + G/2], per row the G
   6-bit sub-block scales (mins) then G/8 fp32 super-block scales (-mins); scale = super x
-  sub, exact in fp32 (`expand_compact`).
+  sub, exact in fp32 (`expand_compact`). Q5_K as Q4_K with q in [0, 31], its values
+  kept in 5 bits: `w` uint8 [N, 5K/8] (`pack_q5`; passes/ops/quant_layout.py).
 - q8: `w` int8 [N, K], `scales` fp16 (or fp32) [N, K/g]; value = scale * q. GGUF Q8_0
   (g = 32), int8 per output channel (g = K); Q6_K (g = 16, q - 32) with its scales as
   stored (compact): int8 [N, G + G/4], per row the G int8 sub-block scales then G/16
@@ -37,7 +38,17 @@ import torch.nn.functional as F
 from passes import native, native_calls
 from passes.native_calls import NativeCall
 from passes.ops.invariant_mm import LONG_ROWS, invariant_mm
-from passes.ops.quant_layout import GROUPS_PER_SUPER, groups_of, is_compact
+from passes.ops.quant_layout import (  # noqa: F401 - the layouts, re-exported
+    GROUPS_PER_SUPER,
+    groups_of,
+    is_compact,
+    is_q5,
+    pack_q5,
+    pack_q6,
+    q4_columns,
+    unpack_q5,
+    unpack_q6,
+)
 from passes.ops.triton_utils import HAS_TRITON
 
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
@@ -72,51 +83,22 @@ def expand_compact(field: torch.Tensor) -> torch.Tensor:
 def dequantize_q4_ref(
     w: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """q4 blocks [..., K/2] -> values [..., K] in `dtype`, computed in fp32."""
+    """q4 blocks [..., K/2] (Q5_K's [..., 5K/8]) -> values [..., K] in `dtype`, computed
+    in fp32."""
+    lead, k = w.shape[:-1], q4_columns(w, scales)
+    if is_q5(w, scales):
+        q = unpack_q5(w)
+    else:
+        runs = w.reshape(*lead, k // RUN, 1, RUN // 2)
+        # Low nibbles then high ones, as one broadcast shift (Inductor fuses it; a stack of
+        # two halves would be a concatenation it materializes).
+        shifts = (torch.arange(2, dtype=torch.uint8, device=w.device) * 4).unsqueeze(-1)
+        q = (runs >> shifts) & 15
     if is_compact(scales):
         scales, mins = expand_compact(scales), expand_compact(mins)
-    lead, half = w.shape[:-1], w.shape[-1]
-    runs = w.reshape(*lead, half // (RUN // 2), 1, RUN // 2)
-    # Low nibbles then high ones, as one broadcast shift (Inductor fuses it; a stack of two
-    # halves would be a concatenation it materializes).
-    shifts = (torch.arange(2, dtype=torch.uint8, device=w.device) * 4).unsqueeze(-1)
-    q = ((runs >> shifts) & 15).reshape(*lead, scales.shape[-1], -1)
+    q = q.reshape(*lead, scales.shape[-1], -1)
     values = q.float() * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
-    return values.reshape(*lead, 2 * half).to(dtype)
-
-
-def pack_q6(q: torch.Tensor) -> torch.Tensor:
-    """Q6_K's values q in [-32, 31], int8 [..., K] (K a multiple of 128), in 6 bits: uint8
-    [..., 3K/4]. Per chunk of 128 values (4 runs of 32; u = q + 32): 64 bytes of low
-    nibbles in q4's order (run r's byte j: value j low, value j + 16 high), then 32 bytes of
-    top bit pairs, byte 16h + j holding those of runs h and 2 + h at position j (bits 0-1,
-    2-3) and j + 16 (bits 4-5, 6-7). So a run's first 16 values' tops (a run's last 16's)
-    sit in bits 0-3 (4-7) of the 32 bytes in the order their nibbles sit in the chunk's
-    64, halves apart: two shifts by lane half and a mask put each value's top bits beside
-    its nibble (quant_kernels.cpp, `row_product_q6_*`)."""
-    lead, k = q.shape[:-1], q.shape[-1]
-    u = (q.to(torch.int16) + 32).to(torch.uint8).reshape(*lead, k // 128, 2, 2, 2, 16)
-    # [..., chunk, r // 2, r % 2, first / last 16, j]: run r = 2 (r // 2) + r % 2
-    low, top = u & 15, u >> 4
-    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(*lead, k // 128, 64)
-    first, last = top[..., 0, :], top[..., 1, :]  # [..., chunk, r // 2, r % 2, j]
-    pairs = first[..., 0, :, :] | (first[..., 1, :, :] << 2) | (last[..., 0, :, :] << 4)
-    pairs = pairs | (last[..., 1, :, :] << 6)  # [..., chunk, h, j]: byte 16h + j
-    return torch.cat([nibbles, pairs.reshape(*lead, k // 128, 32)], -1).reshape(*lead, k // 4 * 3)
-
-
-def unpack_q6(w: torch.Tensor) -> torch.Tensor:
-    """`pack_q6`'s inverse: uint8 [..., 3K/4] -> the values, int8 [..., K]."""
-    lead, chunks = w.shape[:-1], w.shape[-1] // 96
-    c = w.reshape(*lead, chunks, 96)
-    nibbles = c[..., :64].reshape(*lead, chunks, 2, 2, 16)  # [..., r // 2, r % 2, j]
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=w.device)
-    bits = (c[..., 64:].reshape(*lead, chunks, 2, 16).unsqueeze(-1) >> shifts) & 3
-    # bits [..., h, j, (first of run h, first of 2 + h, last of h, last of 2 + h)]
-    first = bits[..., :2].permute(*range(len(lead)), -4, -1, -3, -2)  # [.., r//2, h, j]
-    last = bits[..., 2:].permute(*range(len(lead)), -4, -1, -3, -2)
-    u = torch.stack([(nibbles & 15) | (first << 4), (nibbles >> 4) | (last << 4)], -2)
-    return (u.to(torch.int16) - 32).to(torch.int8).reshape(*lead, chunks * 128)
+    return values.reshape(*lead, k).to(dtype)
 
 
 def q4_int8_x(scales: torch.Tensor, int8_x: bool) -> bool:
@@ -181,9 +163,10 @@ def _kernel_reads(w: torch.Tensor, scales: torch.Tensor, q4: bool) -> bool:
 
 
 def _scale_flags(scales: torch.Tensor, w: torch.Tensor, q4: bool) -> int:
-    """Flag bits 2 (fp32 scales), 4 (compact) and 6 (q8's values in 6 bits: Q6_K's)."""
-    six = not q4 and w.dtype == torch.uint8
-    return 4 * int(scales.dtype == torch.float32) | 16 * int(is_compact(scales)) | 64 * six
+    """Flag bits 2 (fp32 scales), 4 (compact) and 6 (values in more bits than the format's
+    own: q8's in 6, Q6_K's; q4's in 5, Q5_K's)."""
+    packed = is_q5(w, scales) if q4 else w.dtype == torch.uint8
+    return 4 * int(scales.dtype == torch.float32) | 16 * int(is_compact(scales)) | 64 * packed
 
 
 def _dequantize_native(
@@ -193,7 +176,7 @@ def _dequantize_native(
     as the reference, ~10x faster), or None where it does not apply. `split` (bf16): rows
     [hi | lo] of 2K, hi + lo the value to 16 bits."""
     q4 = len(fields) == 2
-    k = w.shape[-1] * 2 if q4 else q8_columns(w)
+    k = q4_columns(w, fields[0]) if q4 else q8_columns(w)
     if (
         w.dim() != 2
         or dtype not in (torch.float32, torch.bfloat16)
@@ -461,7 +444,7 @@ def _fake_q8(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=Fa
 
 
 def _fake_dequantize_q4(w, scales, mins, dtype):
-    return w.new_empty(*w.shape[:-1], 2 * w.shape[-1], dtype=dtype)
+    return w.new_empty(*w.shape[:-1], q4_columns(w, scales), dtype=dtype)
 
 
 def _fake_dequantize_q8(w, scales, dtype):

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from passes.ops.quant_layout import GROUPS_PER_SUPER, groups_of
+from passes.ops.quant_layout import GROUPS_PER_SUPER, groups_of, is_q5
 
 _TL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -81,6 +81,11 @@ def quant_linear_triton(
         raise ValueError(
             "Q6_K's 6-bit rows (the CPU's layout): the Triton product reads int8 values, "
             "unpacked once at load (models/layers/quantization.py `unpack_6bit_values`)"
+        )
+    if bits == 4 and is_q5(w, fields[0]):
+        raise ValueError(
+            "Q5_K's 5-bit rows are the CPU's layout: off the CPU a GGUF file's Q5_K blocks "
+            "are dequantized when loaded (models/gguf.py `kept_formats`)"
         )
     x = x if x.stride(-1) == 1 else x.contiguous()
     fields = tuple(f.contiguous() for f in fields)

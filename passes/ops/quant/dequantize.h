@@ -47,8 +47,10 @@ void dequantize_team(const void* w, const S* scales, const S* mins, void* out, i
                      int64_t N, int64_t K, int64_t g) {
   const bool bf = flags & 1, split = bf && (flags & 8);
   const bool six = !Q4 && Compact && (flags & 64);  // Q6_K's packed rows, unpacked first
+  const bool five = Q4 && Compact && (flags & 64);  // Q5_K's
   const auto [begin, end] = share(N);
-  const int64_t row_bytes = Q4 ? K / 2 : six ? K / 4 * 3 : K, groups = K / g;
+  const int64_t row_bytes = five ? K / 128 * Q5_CHUNK_BYTES : Q4 ? K / 2 : six ? K / 4 * 3 : K;
+  const int64_t groups = K / g;
   float* row = scratch(K + 2 * groups + K / 4);
   float *scale_buf = row + K, *min_buf = scale_buf + groups;
   int8_t* unpacked = reinterpret_cast<int8_t*>(min_buf + groups);
@@ -60,8 +62,17 @@ void dequantize_team(const void* w, const S* scales, const S* mins, void* out, i
     }
     float* dst = bf ? row : static_cast<float*>(out) + n * K;
     const S* mn = Q4 ? scale_rows<Q4, Compact>(mins, groups, n, 1, min_buf) : nullptr;
-    dequantize_row<Q4>(wrow, scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf), mn, K,
-                       g, dst);
+    const S* s = scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf);
+    if constexpr (Q4 && Compact) {
+      if (five) {
+        dequantize_q5_row(reinterpret_cast<const uint8_t*>(wrow), s, mn, K, g,
+                          reinterpret_cast<uint8_t*>(unpacked), dst);
+      } else {
+        dequantize_row<Q4>(wrow, s, mn, K, g, dst);
+      }
+    } else {
+      dequantize_row<Q4>(wrow, s, mn, K, g, dst);
+    }
     if (!bf) continue;
     bf16* y = static_cast<bf16*>(out) + n * K * (split ? 2 : 1);
     for (int64_t k = 0; k < K; ++k) y[k] = to_bf16(row[k]);

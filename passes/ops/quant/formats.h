@@ -172,3 +172,64 @@ inline void unpack_q6_row(const uint8_t* w, int64_t K, int8_t* out) {
 }
 
 constexpr int STRIP_MB = 8;  // rows of x a strip takes at a time (12: no faster)
+
+// Q5_K's 5-bit rows (passes/ops/quant_layout.py `pack_q5` writes them): per chunk of 128
+// values, 64 bytes of low nibbles in q4's order (byte b = 16r + j: run r's value j low, j +
+// 16 high), then four little-endian 32-bit masks of the values' fifth bits, mask e (e = 0,
+// 1) holding the low value's of byte 2i + e in bit i and mask 2 + e its high value's: the
+// words q4's bf16 row product widens a chunk into (`row_product_q4_bf16<MB, true>` reads
+// chunks in place). The other paths read values unpacked by this (u in [0, 31]).
+constexpr int64_t Q5_CHUNK_BYTES = 80;
+inline void unpack_q5_row(const uint8_t* w, int64_t K, uint8_t* out) {
+  for (int64_t c = 0; c < K / 128; ++c) {
+    const uint8_t* nib = w + c * Q5_CHUNK_BYTES;
+    uint32_t fifth[4];
+    std::memcpy(fifth, nib + 64, sizeof fifth);
+    uint8_t* o = out + c * 128;
+    for (int b = 0; b < 64; ++b) {
+      const int i = b / 2, e = b % 2, at = b / 16 * 32 + b % 16;
+      o[at] = uint8_t((nib[b] & 15) | ((fifth[e] >> i & 1) << 4));
+      o[at + 16] = uint8_t((nib[b] >> 4) | ((fifth[2 + e] >> i & 1) << 4));
+    }
+  }
+}
+
+// A Q5_K row's values in fp32 as the reference computes them (scale * u exact, the min
+// added with one rounding; g = 32): `u` holds the row unpacked. With AVX-512 a chunk's
+// bytes widen in vectors, their fifth bits added through byte masks (as
+// `row_product_q4_int8<MB, true>` does): a prefill's dense copy, ~10x the scalar loop.
+inline void dequantize_q5_row(const uint8_t* w, const float* s, const float* mn, int64_t K,
+                              int64_t g, uint8_t* u, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__BMI2__)
+  if (g == 32) {
+    const __m512i low = _mm512_set1_epi8(0x0f), sixteen = _mm512_set1_epi8(0x10);
+    for (int64_t c = 0; c < K / 128; ++c) {
+      const uint8_t* chunk = w + c * Q5_CHUNK_BYTES;
+      uint32_t fifth[4];
+      std::memcpy(fifth, chunk + 64, sizeof fifth);
+      const uint64_t even = 0x5555555555555555ull, odd = ~even;
+      const __m512i v = _mm512_loadu_si512(chunk);
+      const __m512i l = _mm512_and_si512(v, low);
+      const __m512i h = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __mmask64 l5 = _pdep_u64(fifth[0], even) | _pdep_u64(fifth[1], odd);
+      const __mmask64 h5 = _pdep_u64(fifth[2], even) | _pdep_u64(fifth[3], odd);
+      alignas(64) uint8_t lo[64], hi[64];  // byte b: run b / 16's value b % 16, b % 16 + 16
+      _mm512_store_si512(lo, _mm512_mask_add_epi8(l, l5, l, sixteen));
+      _mm512_store_si512(hi, _mm512_mask_add_epi8(h, h5, h, sixteen));
+      for (int r = 0; r < 4; ++r) {
+        const int64_t gi = c * 4 + r;
+        const __m512 d = _mm512_set1_ps(s[gi]), m = _mm512_set1_ps(mn[gi]);
+        for (int half = 0; half < 2; ++half) {
+          const __m128i bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(
+              (half ? hi : lo) + 16 * r));
+          const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+          _mm512_storeu_ps(out + gi * 32 + 16 * half, _mm512_fmadd_ps(values, d, m));
+        }
+      }
+    }
+    return;
+  }
+#endif
+  unpack_q5_row(w, K, u);
+  for (int64_t k = 0; k < K; ++k) out[k] = float(u[k]) * s[k / g] + mn[k / g];
+}

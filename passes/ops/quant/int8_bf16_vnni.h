@@ -83,7 +83,10 @@ inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of
   }
 }
 
-template <int MB, typename SP>
+// FIVE: Q5_K's 5-bit rows (`unpack_q5_row`), their fifth bits added as 16 to the bytes
+// (u < 32 stays unsigned): a chunk's four word masks interleave into one byte mask for the
+// low nibbles and one for the high (`_pdep_u64`); K whole chunks.
+template <int MB, bool FIVE = false, typename SP>
 inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t* w, SP s,
                                 SP mn, int shift, float* out) {
   __m512 acc[MB_MAX], mins[MB_MAX];
@@ -102,11 +105,23 @@ inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t
     }
     for (int64_t p = 0; p < n; p += 4) {  // lanes 4i .. 4i + 3: run p + i
       const int64_t k = (r0 + p) * 32;
-      prefetch_weights(w + k / 2);
+      const uint8_t* chunk = FIVE ? w + k / 128 * Q5_CHUNK_BYTES : w + k / 2;
+      prefetch_weights(chunk);
+      if constexpr (FIVE) prefetch_weights(chunk + 64);
       const __mmask64 bytes = n - p >= 4 ? ~0ull : (1ull << ((n - p) * 16)) - 1;
-      const __m512i v = _mm512_maskz_loadu_epi8(bytes, w + k / 2);
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      const __m512i v = _mm512_maskz_loadu_epi8(bytes, chunk);
+      __m512i lo = _mm512_and_si512(v, low);
+      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      if constexpr (FIVE) {
+        uint32_t fifth[4];  // bit i: the value word i (bytes 2i, 2i + 1) holds, by part
+        std::memcpy(fifth, chunk + 64, sizeof fifth);
+        const uint64_t even = 0x5555555555555555ull, odd = ~even;
+        const __mmask64 lo5 = _pdep_u64(fifth[0], even) | _pdep_u64(fifth[1], odd);
+        const __mmask64 hi5 = _pdep_u64(fifth[2], even) | _pdep_u64(fifth[3], odd);
+        const __m512i sixteen = _mm512_set1_epi8(0x10);
+        lo = _mm512_mask_add_epi8(lo, lo5, lo, sixteen);
+        hi = _mm512_mask_add_epi8(hi, hi5, hi, sixteen);
+      }
       const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(int(p)), quarter);
       for (int m = 0; m < MB; ++m) {
         const int8_t* xq = rows[m].q + k;

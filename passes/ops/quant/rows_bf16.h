@@ -93,7 +93,10 @@ inline __m512 run_scales(SP s, int64_t r0, int64_t n, int shift) {
   return _mm512_permutexvar_ps(_mm512_srli_epi32(iota, shift), g);
 }
 
-template <int MB, typename SP>
+// FIVE: Q5_K's 5-bit rows (`unpack_q5_row` has the layout): a chunk's four masks of fifth
+// bits add 16 to the words that widened its nibbles (bit 4 is clear there, and 128 + u
+// stays exact: u < 32), the same sums otherwise; K whole chunks.
+template <int MB, bool FIVE = false, typename SP>
 inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w, SP s, SP mn,
                                 int shift, float* out) {
   __m512 acc[MB_MAX], mins[MB_MAX];
@@ -111,14 +114,25 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
     int64_t p = 0;
     for (; p + 4 <= n; p += 4) {  // a chunk of 4 runs: lanes 4i .. 4i + 3 are run p + i
       const int64_t k = (r0 + p) * 32;
-      prefetch_weights(w + k / 2);
-      const __m512i v = _mm512_loadu_si512(w + k / 2);  // 32 words: bytes 2e, 2e + 1
+      const uint8_t* chunk = FIVE ? w + k / 128 * Q5_CHUNK_BYTES : w + k / 2;
+      prefetch_weights(chunk);
+      if constexpr (FIVE) prefetch_weights(chunk + 64);
+      const __m512i v = _mm512_loadu_si512(chunk);  // 32 words: bytes 2e, 2e + 1
       // Each nibble of a word to the bf16 128 + q in place: no lane crossing, 7 ops for 128
       // values where widening bytes to words first took 8 for 64 (docs/kernel-choices.md).
-      const __m512i a = _mm512_ternarylogic_epi32(low, v, exponent, 0xea);
-      const __m512i b = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 8), exponent, 0xea);
-      const __m512i c = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 4), exponent, 0xea);
-      const __m512i d4 = _mm512_or_si512(_mm512_srli_epi16(v, 12), exponent);
+      __m512i a = _mm512_ternarylogic_epi32(low, v, exponent, 0xea);
+      __m512i b = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 8), exponent, 0xea);
+      __m512i c = _mm512_ternarylogic_epi32(low, _mm512_srli_epi16(v, 4), exponent, 0xea);
+      __m512i d4 = _mm512_or_si512(_mm512_srli_epi16(v, 12), exponent);
+      if constexpr (FIVE) {
+        uint32_t fifth[4];
+        std::memcpy(fifth, chunk + 64, sizeof fifth);
+        const __m512i sixteen = _mm512_set1_epi16(0x10);
+        a = _mm512_mask_add_epi16(a, __mmask32(fifth[0]), a, sixteen);
+        b = _mm512_mask_add_epi16(b, __mmask32(fifth[1]), b, sixteen);
+        c = _mm512_mask_add_epi16(c, __mmask32(fifth[2]), c, sixteen);
+        d4 = _mm512_mask_add_epi16(d4, __mmask32(fifth[3]), d4, sixteen);
+      }
       const __m512 scale =
           _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(int(p)), quarter), d);
       for (int m = 0; m < MB; ++m) {
