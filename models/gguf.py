@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp's format): the model's config and tokenizer, and its tensors with
-the Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K blocks kept (the K-quants' scales as stored;
-Q5_K's where our CPU kernels read its 5 bits: `keeps_q5_k`).
+the Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS blocks kept (the K-quants' scales
+as stored; Q5_K's where our CPU kernels read its 5 bits, `keeps_q5_k`; the IQ4s' on CPU).
 
 Config and tokenizer come from transformers' GGUF reader, which takes ~10 s for a small
 model, so they are written once into a folder under the cache (`metadata_dir`) keyed by
@@ -9,7 +9,7 @@ the file's path, size and time; the weights are read from the file on every load
 Tensor names follow llama.cpp's (`blk.0.attn_q.weight`) and map to HF's; llama.cpp's
 converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbours,
 HF's pairs halves), which `_unpermute` reverses, on the blocks as on float tensors (a
-row of blocks is a row of the weight). Other block types (Q5_0, IQ4_XS, ...) are
+row of blocks is a row of the weight). Other block types (Q5_0, IQ3_S, ...) are
 dequantized to fp32 when loaded, with a warning naming them; so is a fused module (QKV,
 gate/up) with a part in such a type, with a warning. A fused module whose parts are
 kept in different types (Q4_K_M's Q4_K q and k beside a Q6_K v) holds each part apart.
@@ -88,7 +88,9 @@ def keeps_q5_k(device_type: str) -> bool:
     return device_type == "cpu" and kernel_path() == "bf16"
 
 
-def _kept_formats(q5_k: bool = True) -> dict[Any, QuantFormat]:
+def _kept_formats(q5_k: bool = True, iq4: bool = True) -> dict[Any, QuantFormat]:
+    """The block types kept as stored (`q5_k`, `iq4`: Q5_K's, IQ4_NL's and IQ4_XS's
+    too; off the CPU the Triton products read neither)."""
     from gguf import GGMLQuantizationType as T
 
     kept = {T.Q8_0: QuantFormat(8, 32), T.Q4_0: QuantFormat(4, 32), T.Q4_1: QuantFormat(4, 32),
@@ -96,13 +98,15 @@ def _kept_formats(q5_k: bool = True) -> dict[Any, QuantFormat]:
             T.Q6_K: QuantFormat(6, 16, torch.int8)}  # fmt: skip
     if q5_k:
         kept[T.Q5_K] = QuantFormat(5, 32, torch.uint8)
+    if iq4:
+        kept[T.IQ4_NL] = kept[T.IQ4_XS] = QuantFormat(4, 32, torch.float32, table=True)
     return kept
 
 
 def _kept_by(config: QuantizationConfig | None) -> dict[Any, QuantFormat]:
-    """The block types a file's config keeps (Q5_K's only where it holds one)."""
+    """The block types a file's config keeps (Q5_K's, IQ4's only where it holds one)."""
     held = [] if config is None else [*config.formats.values(), *sum(config.parts.values(), ())]
-    return _kept_formats(any(fmt.bits == 5 for fmt in held))
+    return _kept_formats(any(f.bits == 5 for f in held), any(f.table for f in held))
 
 
 def _dense_types() -> set[Any]:
@@ -116,7 +120,7 @@ def quant_config(path: str | Path, device_type: str = "cpu") -> QuantizationConf
     share one kept block type, and fused modules whose parts are each in a kept type
     (held per part). Float tensors, and fused modules with a part in another type, load
     as floats. `device_type`: where the model runs (`keeps_q5_k`)."""
-    kept = _kept_formats(keeps_q5_k(device_type))
+    kept = _kept_formats(keeps_q5_k(device_type), device_type == "cpu")
     by_module: dict[str, QuantFormat | None] = {}
     for tensor in _reader(Path(path)).tensors:
         name = hf_name(tensor.name)
@@ -165,6 +169,8 @@ def _blocks(raw: torch.Tensor, type_: Any) -> dict[str, torch.Tensor]:
         return _q6_k_blocks(raw)
     if type_ == T.Q5_K:
         return _q5_k_blocks(raw)
+    if type_ in (T.IQ4_NL, T.IQ4_XS):
+        return _iq4_blocks(raw, type_ == T.IQ4_XS)
     size = {T.Q8_0: 34, T.Q4_0: 18, T.Q4_1: 20}[type_]
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)
@@ -248,6 +254,28 @@ def _q6_k_blocks(raw: torch.Tensor) -> dict[str, torch.Tensor]:
     sc = b[..., 192:208].contiguous().view(torch.int8).reshape(rows, -1)
     d = _halves(b[..., 208:210]).contiguous().view(torch.int8).reshape(rows, -1)
     return {"qweight": pack_q6(q.reshape(rows, -1)), "scales": torch.cat([sc, d], -1)}
+
+
+def _iq4_blocks(raw: torch.Tensor, xs: bool) -> dict[str, torch.Tensor]:
+    """IQ4_NL blocks (32 values, 18 bytes: d fp16, 16 bytes of 4-bit indices in q4's order)
+    or IQ4_XS super-blocks (256 values, 136 bytes: d fp16, the 6-bit sub-block scales' top
+    bits as a uint16 and their low nibbles in 4 bytes, 128 bytes of indices) as q8 fields
+    of indices into IQ4_NL's table, with fp32 scales a run of 32 (d, or d x (ls - 32):
+    exact); 4.5 and 5 bits a value where GGUF's take 4.5 and 4.25."""
+    rows = raw.shape[0]
+    if not xs:
+        b = raw.reshape(rows, -1, 18)
+        return {"qweight": b[..., 2:].reshape(rows, -1).contiguous(),
+                "scales": _halves(b[..., 0:2]).reshape(rows, -1)}  # fmt: skip
+    b = raw.reshape(rows, -1, 136)
+    d = _halves(b[..., 0:2])
+    high = b[..., 2:4].contiguous().view(torch.int16).to(torch.int32)  # [rows, sb, 1]
+    run = torch.arange(8)
+    ls = ((b[..., 4:8].repeat_interleave(2, -1).to(torch.int32) >> (4 * (run % 2))) & 15) | (
+        ((high >> (2 * run)) & 3) << 4
+    )
+    scales = (d.unsqueeze(-1) * (ls - 32).float()).reshape(rows, -1)
+    return {"qweight": b[..., 8:].reshape(rows, -1).contiguous(), "scales": scales}
 
 
 def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:

@@ -162,7 +162,8 @@ def check_invariant_blocks(model: nn.Module, engine_config: EngineConfig) -> Non
                 continue
             seen.add(key)
             w = fields[0]
-            k = quantized.q4_columns(w, fields[1]) if fmt.has_mins else quantized.q8_columns(w)
+            columns = quantized.q4_columns if fmt.has_mins else quantized.q8_columns
+            k = columns(w, fields[1])
             x = torch.randn(48, k, generator=g).to(engine_config.model_config.dtype)
             if rows := invariant_rows_that_differ(fmt, fields, x):
                 raise NotBatchInvariant(

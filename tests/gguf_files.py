@@ -1,7 +1,7 @@
 """Small GGUF files for tests, written with gguf-py (llama.cpp's own Python package) the
 way llama.cpp's converter writes them: llama.cpp's tensor names, the q and k projections'
 rows permuted for its RoPE, each weight quantized with gguf-py's reference quantizer
-(ours for Q4_K, Q5_K and Q6_K, which it lacks).
+(ours for the K-quants and IQ4s, which it lacks).
 Returns the oracle beside the file: the HF model with every weight replaced by gguf-py's
 own dequantization of its blocks."""
 
@@ -85,12 +85,39 @@ def _quantize_q6_k(w: np.ndarray) -> np.ndarray:
     return np.concatenate(blocks, -1).reshape(w.shape[0], -1)
 
 
+def _quantize_iq4(w: np.ndarray, xs: bool) -> np.ndarray:
+    """IQ4_NL blocks of w [rows, 32 n] (d = max |x| / 127 a block, the nearest of the 16
+    values a value) or IQ4_XS super-blocks [rows, 256 n] (a 6-bit scale ls - 32 a run of
+    32 as a multiple of the super-block's d); llama.cpp's layouts."""
+    table = np.array(quants.IQ4_NL.kvalues, dtype=np.float32)
+    x = w.reshape(w.shape[0], -1, 8 if xs else 1, 32).astype(np.float32)
+    step = np.abs(x).max(-1) / 127  # [rows, blocks, runs]
+    if xs:
+        d = (step.max(-1) / 31).astype(np.float16)
+        ls = np.clip(np.rint(step / np.maximum(d.astype(np.float32), 1e-8)[..., None]), 1, 31)
+        ls = ls.astype(np.int32) + 32
+        step = d.astype(np.float32)[..., None] * (ls - 32)
+    else:
+        d = step[..., 0].astype(np.float16)
+        step = d.astype(np.float32)[..., None]
+    idx = np.abs(x[..., None] / np.maximum(step, 1e-8)[..., None, None] - table).argmin(-1)
+    qs = (idx[..., :16] | (idx[..., 16:] << 4)).astype(np.uint8).reshape(*x.shape[:2], -1)
+    parts = [d[..., None].view(np.uint8)]
+    if xs:
+        high = sum(((ls[..., r] >> 4) & 3) << (2 * r) for r in range(8)).astype(np.uint16)
+        low = (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)
+        parts += [high[..., None].view(np.uint8), low.astype(np.uint8)]
+    return np.concatenate([*parts, qs], -1).reshape(w.shape[0], -1)
+
+
 def quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
-    """GGUF blocks of w: gguf-py's quantizer, or ours for the K-quants it lacks."""
+    """GGUF blocks of w: gguf-py's quantizer, or ours for the K-quants and IQ4s it lacks."""
     if qtype in (Q.Q4_K, Q.Q5_K):
         return _quantize_q4_k(w, 15 if qtype == Q.Q4_K else 31)
     if qtype == Q.Q6_K:
         return _quantize_q6_k(w)
+    if qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        return _quantize_iq4(w, qtype == Q.IQ4_XS)
     return quants.quantize(w, qtype)
 
 

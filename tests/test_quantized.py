@@ -94,14 +94,24 @@ def _q8_fields(g, n, k, group=32, k_quant=False, packed=True):
     return w, _scales(g, (n, k // group), 0.01)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def _iq4_fields(g, n, k):
+    """IQ4's: 4-bit table indices in q4's order, fp32 scales a run of 32 (an fp16 times an
+    integer in [-32, 31], as IQ4_XS's; exact in fp32)."""
+    w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    sub = torch.randint(-32, 32, (n, k // 32), generator=g).float()
+    return w, (torch.rand(n, k // 32, generator=g) * 0.01).half().float() * sub
+
+
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
+)
 def test_gguf_blocks_dequantize_as_gguf_py_does(qtype):
     """Our fields of a GGUF tensor dequantize to exactly gguf-py's values (the K-quants'
     blocks from our test quantizer: gguf-py reads them, it cannot write them)."""
     w = np.random.default_rng(0).normal(size=(6, 512)).astype(np.float32)
     blocks = gguf_quantize(w, qtype)
     fields = gguf._blocks(torch.from_numpy(blocks), qtype)
-    if qtype in (Q.Q8_0, Q.Q6_K):
+    if qtype in (Q.Q8_0, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS):
         got = quantized.dequantize_q8_ref(fields["qweight"], fields["scales"], torch.float32)
     else:
         args = (fields["qweight"], fields["scales"], fields["mins"])
@@ -167,6 +177,29 @@ def test_the_kernels_dequantization_equals_the_reference_bit_for_bit(
         got = ops.dequantize_q8(*fields, dtype)
         want = quantized.dequantize_q8_ref(*fields, dtype)
     assert got.dtype == dtype and torch.equal(got, want)
+
+
+@testing.settings(max_examples=25)
+@given(rows=st.sampled_from([1, 2, 3, 4, 5, 6, 9, 16, 17, 33, 130]), n=st.integers(1, 40),
+       runs=st.integers(1, 9), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_iq4_products_and_dequantization_equal_the_reference(rows, n, runs, dtype, seed):
+    """IQ4_NL / IQ4_XS's table indices: the kernel's dequantization gives the reference's
+    values exactly, and its exact products (bf16's looked up in place, the strips and
+    every other path on rows unpacked to int8) equal the fp64 product up to fp32 sums, at
+    any row count, odd runs included (a last pair; a lone run takes the unpacked path).
+    Their strips on int8 activations: `test_strips_write_bias_bf16_and_tail_rows`."""
+    g = torch.Generator().manual_seed(seed)
+    k = 32 * runs
+    fields = _iq4_fields(g, n, k)
+    for out in (torch.float32, torch.bfloat16):
+        want = quantized.dequantize_q8_ref(*fields, out)
+        assert torch.equal(ops.dequantize_q8(*fields, out), want)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    values = quantized.dequantize_q8_ref(*fields, torch.float64)
+    got = ops.q8_linear(x, *fields, None, torch.float32).double()
+    want = x.double() @ values.T
+    assert bool(((got - want).abs() <= (x.double().abs() @ values.abs().T) * 1e-5 + 1e-6).all())
 
 
 @testing.settings(max_examples=20)
@@ -236,9 +269,10 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize(
-    "fmt", ["q8", "q8_int8_x", "q6_k", "q6_k_int8", "int8", "q4", "q4_k", "q5_k", "q4_g128"]
-)
+STRIP_FORMATS = ["q8", "q8_int8_x", "q6_k", "q6_k_int8", "int8", "q4", "q4_k", "q5_k", "q4_g128"]
+
+
+@pytest.mark.parametrize("fmt", [*STRIP_FORMATS, "iq4", "iq4_int8_x"])
 @pytest.mark.parametrize("rows", [21, 4, 1])
 def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     """Enough rows for the strips of 16 weight rows (40 = two strips and 8 rows left to
@@ -247,7 +281,8 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     x. `q8_int8_x`: Q8_0's strips on int8 activations (where the CPU has them: the strip
     rows differ from the exact product, within the quantization's bound; the tail rows
     are exact). Fewer rows: the row products alone (one row: q8's loops of their own),
-    exact but for `q8_int8_x`'s at 1-2 rows, which quantize x the same way."""
+    exact but for `q8_int8_x`'s at 1-2 rows, which quantize x the same way. `iq4_int8_x`:
+    IQ4's strips likewise, its row products exact at every row count."""
     g = torch.Generator().manual_seed(len(fmt))
     n, k = 40, 256
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -258,15 +293,18 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
         got = ops.q4_linear(x, *fields, bias, torch.bfloat16).double()
         values = quantized.dequantize_q4_ref(*fields, torch.float64)
     else:
-        group = {"q8": 32, "q8_int8_x": 32, "q6_k": 16, "q6_k_int8": 16, "int8": k}[fmt]
+        group = {"q6_k": 16, "q6_k_int8": 16, "int8": k}.get(fmt, 32)
         fields = _q8_fields(g, n, k, group, fmt.startswith("q6_k"), fmt == "q6_k")
-        got = ops.q8_linear(x, *fields, bias, torch.bfloat16, fmt == "q8_int8_x").double()
+        fields = _iq4_fields(g, n, k) if fmt.startswith("iq4") else fields
+        got = ops.q8_linear(x, *fields, bias, torch.bfloat16, fmt.endswith("int8_x")).double()
         values = quantized.dequantize_q8_ref(*fields, torch.float64)
     want = x.double() @ values.T + bias.double()
     bound = (x.double().abs() @ values.abs().T) * 1e-5 + want.abs() * 2**-8 + 1e-6
     int8_rows = fmt == "q8_int8_x" and (
         quantized.int8_strips() and rows not in (3, 4, 5) or rows <= quantized.int8_rows()
     )
+    # IQ4's: the strips only (its row products look values up in bf16, exact)
+    int8_rows = int8_rows or fmt == "iq4_int8_x" and quantized.int8_strips() and rows >= 6
     if int8_rows:
         approximated = slice(0, 32) if rows >= 6 else slice(0, n)  # strips, or every row
         exact = bool(((got - want).abs() <= bound).all(0)[approximated.stop :].all())
@@ -339,7 +377,7 @@ def test_the_pass_gives_int8_activations_to_k_quants_only():
         assert (nodes[0].args[6] if len(nodes[0].args) > 6 else False) == k_quant
 
 
-@pytest.mark.parametrize("fmt", ["q8", "q6_k", "q4", "q4_k", "q5_k"])
+@pytest.mark.parametrize("fmt", ["q8", "q6_k", "q4", "q4_k", "q5_k", "iq4"])
 @pytest.mark.parametrize("rows", [1, 21])
 def test_products_are_the_same_whichever_thread_takes_a_row(fmt, rows):
     """The products hand out their rows (and strips) by OpenMP's guided schedule, so which
@@ -353,6 +391,7 @@ def test_products_are_the_same_whichever_thread_takes_a_row(fmt, rows):
         product = functools.partial(ops.q4_linear, x, *fields, None, torch.float32)
     else:
         fields = _q8_fields(g, n, k, 16 if fmt == "q6_k" else 32, fmt == "q6_k")
+        fields = _iq4_fields(g, n, k) if fmt == "iq4" else fields
         product = functools.partial(ops.q8_linear, x, *fields, None, torch.float32)
     threads = torch.get_num_threads()
     try:
@@ -466,13 +505,14 @@ def _invariance_cases():
         "q8 g32": ("q8", _q8_fields(g, n, k, 32)),
         "q8 per channel": ("q8", _q8_fields(g, n, k, k)),
         "Q6_K": ("q8", _q8_fields(g, n, k, k_quant=True)),
+        "IQ4_XS": ("q8", _iq4_fields(g, n, k)),
     }
 
 
 def _rows_that_differ(kind, fields, dtype, invariant):
     """The row counts m (1-32) whose product gives the first m rows other bits than the
     same rows among 48, int8 activations allowed (the default's widest choice of paths)."""
-    k = quantized.q8_columns(fields[0]) if kind == "q8" else quantized.q4_columns(*fields[:2])
+    k = quantized.q8_columns(*fields[:2]) if kind == "q8" else quantized.q4_columns(*fields[:2])
     x = torch.randn(48, k, generator=torch.Generator().manual_seed(3)).to(dtype)
     op = ops.q4_linear if kind == "q4" else ops.q8_linear
     full = op(x, *fields, None, None, True, invariant)
@@ -492,7 +532,7 @@ def test_invariant_products_give_a_row_its_bits_at_every_row_count(case, dtype):
 
     kind, fields = _invariance_cases()[case]
     assert quantized.kernel_invariant_rows() in (None, quantized.INVARIANT_ROWS)
-    k = quantized.q8_columns(fields[0]) if kind == "q8" else quantized.q4_columns(*fields[:2])
+    k = quantized.q8_columns(*fields[:2]) if kind == "q8" else quantized.q4_columns(*fields[:2])
     x = torch.randn(48, k, generator=torch.Generator().manual_seed(3)).to(dtype)
     fmt = QuantFormat(4 if kind == "q4" else 8, 32)
     assert invariant_rows_that_differ(fmt, fields, x) == []
@@ -747,7 +787,8 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     path = tmp_path / "k.gguf"
     types = {"mlp.down_proj": Q.Q6_K, "lm_head": Q.Q6_K, "layers.1.self_attn.v_proj": Q.Q6_K,
              "layers.2.self_attn.v_proj": Q.Q5_0, "embed_tokens": Q.Q5_K,
-             "layers.0.mlp.gate_proj": Q.Q5_K, "layers.0.mlp.up_proj": Q.Q5_K}  # fmt: skip
+             "layers.0.mlp.gate_proj": Q.Q5_K, "layers.0.mlp.up_proj": Q.Q5_K,
+             "layers.2.self_attn.o_proj": Q.IQ4_XS}  # fmt: skip
     oracle = write_gguf(path, hf, types, Q.Q4_K)
     quant = gguf.quant_config(path)
     q4_k, q6_k = QuantFormat(4, 32, torch.uint8), QuantFormat(6, 16, torch.int8)
@@ -758,6 +799,9 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
     # Off the CPU the Triton products read no 5-bit rows: Q5_K loads as floats there.
     on_gpu = gguf.quant_config(path, "cuda")
     assert "model.embed_tokens" not in on_gpu.formats and on_gpu.formats["lm_head"] == q6_k
+    iq4 = QuantFormat(4, 32, torch.float32, table=True)
+    assert quant.formats["model.layers.2.self_attn.o_proj"] == iq4
+    assert "model.layers.2.self_attn.o_proj" not in on_gpu.formats
     assert quant.formats["model.layers.0.self_attn.qkv_proj"] == q4_k
     assert quant.formats["model.layers.0.mlp.down_proj"] == q6_k
     assert quant.formats["lm_head"] == q6_k
@@ -790,7 +834,7 @@ def test_k_quant_layers_keep_their_blocks_and_match_hf(tmp_path, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layers", ["q4_1", "q8_0", "k_mix", "q5_k_m"])
+@pytest.mark.parametrize("layers", ["q4_1", "q8_0", "k_mix", "q5_k_iq4_xs"])
 def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir, tmp_path,
                                            layers):  # fmt: skip
     """The engine on a GGUF file, compiled (the quantized products recorded into CPU
@@ -800,8 +844,9 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
     compiled with exact products (`int8_activations` off) against eager, and with the
     default's int8 activations in the strips against HF up to the first tie within 0.05.
     `k_mix`: Q4_K with Q6_K v projections (each QKV's parts multiplied apart), in fp32.
-    `q5_k_m`: Q5_K with Q6_K down projections and head, as llama.cpp's Q5_K_M, in bf16
-    (the 5-bit row products where AVX512-BF16 builds them)."""
+    `q5_k_iq4_xs`: Q5_K with Q6_K down projections and head, as llama.cpp's Q5_K_M, and
+    IQ4_XS o projections and embedding (its table looked up in Inductor's gather), in
+    fp32, then in bf16 (the 5-bit and table row products where AVX512-BF16 builds them)."""
     from runtime import LLM, SamplingParams
     from tests.gguf_files import write_gguf
     from tests.helpers import hf_greedy_checked, llama_config, save_checkpoint
@@ -820,7 +865,8 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
             if layers == "k_mix":
                 oracle = write_gguf(tmp_path / "q.gguf", hf, {"v_proj": Q.Q6_K}, Q.Q4_K)
             else:
-                types = {"down_proj": Q.Q6_K, "lm_head": Q.Q6_K}
+                types = {"down_proj": Q.Q6_K, "lm_head": Q.Q6_K, "o_proj": Q.IQ4_XS,
+                         "embed_tokens": Q.IQ4_XS}  # fmt: skip
                 oracle = write_gguf(tmp_path / "q.gguf", hf, types, Q.Q5_K)
         prompts = [[5 + i, 17, 33, 2 * i] for i in range(8)] + [[40, 41, 42, 43, 44, 45, 46]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -828,10 +874,10 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
     # The K-quants in fp32: this model's logits (~4) move by more than HF's near-tie margin
     # under bf16 activations, and eager in bf16 rounds their values (fp32 scales); Q5_K's
     # 5-bit row products (bf16 only) then run against HF with the int8 run's margin.
-    dtype = "float32" if layers in ("k_mix", "q5_k_m") else "auto"
+    dtype = "float32" if layers in ("k_mix", "q5_k_iq4_xs") else "auto"
     runs = [(True, False, True, dtype), (False, False, True, dtype)]
     runs += [(False, True, True, dtype), (False, False, False, dtype)] * (layers == "q8_0")
-    runs += [(False, False, True, "bfloat16")] * (layers == "q5_k_m")
+    runs += [(False, False, True, "bfloat16")] * (layers == "q5_k_iq4_xs")
     for eager, int8, native, dtype in runs:  # (enforce_eager, int8_activations, native_kernels)
         passes = {"int8_activations": int8, "native_kernels": native}
         llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128,
@@ -845,7 +891,7 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
         assert sum(checked for _, checked in wanted) >= 40, "near ties too early"
         for got, (want, checked) in zip(outs[1], wanted):
             assert got[:checked] == want[:checked]
-    if layers in ("q8_0", "q5_k_m"):
+    if layers in ("q8_0", "q5_k_iq4_xs"):
         wanted = [hf_greedy_checked(oracle, p, 12, 0.05) for p in prompts]
         assert sum(checked for _, checked in wanted) >= 25, "near ties too early"
         for got, (want, checked) in zip(outs[2], wanted):

@@ -36,6 +36,9 @@ class QuantFormat:
     # Q4_K's scales and mins, int8 for Q6_K's; fp32 where a super-block scale times a
     # sub-block one is held multiplied out (exact in fp32 only).
     scale_dtype: torch.dtype = torch.float16
+    # 4-bit indices into IQ4_NL's 16 values (IQ4_NL's, IQ4_XS's; bits 4, groups of 32,
+    # fp32 scales): q8's ops, values looked up (passes/ops/quant_layout.py `iq4_values`)
+    table: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 5, 6, 8):
@@ -48,11 +51,13 @@ class QuantFormat:
             raise ValueError("5-bit values are Q5_K's: groups of 32, compact uint8 scales")
         if self.bits == 6 and (self.scale_dtype != torch.int8 or self.group != 16):
             raise ValueError("6-bit values are Q6_K's: groups of 16, compact int8 scales")
+        if self.table and (self.bits, self.group, self.scale_dtype) != (4, 32, torch.float32):
+            raise ValueError("IQ4's table indices take 4 bits, groups of 32, fp32 scales")
 
     @property
     def has_mins(self) -> bool:
         """q4's fields (a min per group; Q5_K's too), which the q4 ops read."""
-        return self.bits in (4, 5)
+        return self.bits in (4, 5) and not self.table
 
     @property
     def compact(self) -> bool:
@@ -64,7 +69,7 @@ class QuantFormat:
     def fields(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Each field's shape and dtype for a [rows, cols] weight."""
         g = self.group_size(cols)
-        step = 32 if self.has_mins else 16  # the kernel's run of values
+        step = 32 if self.has_mins or self.table else 16  # the kernel's run of values
         if cols % g or g % step:
             raise ValueError(
                 f"a {self.bits}-bit weight of {cols} columns cannot be held in groups of {g} "
@@ -79,6 +84,8 @@ class QuantFormat:
             scales = ((rows, groups + groups // per * 4), self.scale_dtype)
         if self.bits == 8:
             return {"qweight": ((rows, cols), torch.int8), "scales": scales}
+        if self.table:
+            return {"qweight": ((rows, cols // 2), torch.uint8), "scales": scales}
         if self.bits == 6:  # whole super-blocks (above): whole chunks of 128
             return {"qweight": ((rows, cols // 4 * 3), torch.uint8), "scales": scales}
         if self.bits == 5:

@@ -5,7 +5,8 @@
 // (`CompactScales` below), bit 5: x may be quantized to int8 (Q8_0's products: `Strip8`,
 // q4's row products: `row_product_q4_int8`), bit 6: q8's values are Q6_K's, packed in 6
 // bits (`unpack_q6_row`), or q4's are Q5_K's, packed in 5 (`unpack_q5_row`), bit 7:
-// batch-invariant (the exact row products at every row count; bit 5 ignored).
+// batch-invariant (the exact row products at every row count; bit 5 ignored), bit 8: q8's
+// values are IQ4_NL's, 4-bit indices into its table (`unpack_iq4_row`), fp32 scales.
 //
 // The two weight formats (passes/ops/quantized.py holds their torch reference):
 //   q4: w uint8 [N, K/2]; in each run of 32 values byte j holds value j in its low nibble
@@ -141,13 +142,18 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // activations where the caller allows them (with AVX512-VNNI, as Q4_K's); other paths
   // take each row dequantized (`dequantize_q5_row`).
   const bool five = Q4 && Compact && (flags & 64);
+  // IQ4's indices (flags bit 8 on q8; fp32 scales for groups of 32): the bf16 row products
+  // look them up in place (exact); the strips, on int8 activations where the caller allows
+  // them as Q8_0's, and every other path read rows unpacked to int8 (`unpack_iq4_row`).
+  const bool iq4 = !Q4 && !Compact && (flags & 256);
   const int64_t bf = flags & 1;
   Path path = choose(Q4, bf, K, g, (flags & 32) && !five);
   // Q6_K's packed rows (compact scales, K whole super-blocks): the bf16 row product reads
   // them in place, with x reordered and summed per 16 as q4's; other paths unpack a row
   // (or a strip's 16) to int8 first.
   const bool six = !Q4 && Compact && (flags & 64);
-  const int64_t row_bytes = five ? K / 128 * Q5_CHUNK_BYTES : Q4 ? K / 2 : six ? K / 4 * 3 : K;
+  const int64_t row_bytes =
+      five ? K / 128 * Q5_CHUNK_BYTES : Q4 || iq4 ? K / 2 : six ? K / 4 * 3 : K;
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
   const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
@@ -164,8 +170,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool int8_q4 = Q4 && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
   // Q6_K's too (`row_product_q6_int8`): x as q4's, with sums per 16 where q4 has per 32.
   const bool int8_six = six && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
-  const bool x_chunks = (Q4 || six) && path == Path::bf16 && !int8_q4 && !int8_six;
-  if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8) path = Path::int8;
+  const bool x_chunks = (Q4 || six || iq4) && path == Path::bf16 && !int8_q4 && !int8_six;
+  if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8 && !iq4) path = Path::int8;
   // q4's fp32 row products on AVX2 take x's sums per group (`row_product_q4_sums`).
   const bool q4_sums = Q4 && !five && CC_AVX2_ROWS && path == Path::fp32;
   // Q8_0's row products on AVX2 with int8 activations where the caller allows them (1-2
@@ -175,7 +181,6 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
                           : int8_q4 || int8_six ? (K + 127) / 128 * 32 + K / 32 + K / 16
                           : x_chunks ? K / 2 + K / 16
-                          : int8_strips ? K / 4 + K / 32
                           : q4_sums ? K / g
                           : avx2_int8 ? K / 4 + K / 32 : 0;
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
@@ -183,17 +188,29 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t strip_groups = Q4 ? K / 32 : groups;  // q4's strips scale per run
   const int shift = runs_shift(g);  // q4's runs a group, as a shift
   const int64_t strip_floats = strips ? K * 8 + 2 * strip_groups * TILE_N + 16 : 0;
-  const bool unpack = six && path != Path::bf16;  // rows unpacked in the row loop (and
-  // a strip's 16 before it packs them, into the same buffer)
+  // x's rows as unsigned bytes and a scale a run for the int8 strips (IQ4's tail rows
+  // take x's chunks beside them)
+  const int64_t int8_floats = int8_strips ? M * (K / 4 + K / 32) : 0;
+  // Rows unpacked in the row loop (and a strip's 16 before it packs them, into the same
+  // buffer): Q6_K's and IQ4's off the bf16 path.
+  const bool unpack = (six || iq4) && path != Path::bf16;
+  auto unpack_row = [&](const char* row, int8_t* out) {
+    if (six) unpack_q6_row(reinterpret_cast<const uint8_t*>(row), K, out);
+    else unpack_iq4_row(reinterpret_cast<const uint8_t*>(row), K, out);
+  };
   const bool five_rows = five && path != Path::bf16;  // a row's values, then its bytes
-  float* xf = scratch(M * (x_floats + per_row) + strip_floats +
-                      (Compact ? 2 * TILE_N * groups : 0) + (six ? TILE_N * K / 4 : 0) +
-                      (five_rows ? K + K / 4 : 0));
+  // x's rows, then per row its path's extra, the int8 strips' x, a strip, compact rows
+  // decoded (scales, mins), then 16 rows unpacked to int8 (Q6_K's, IQ4's) or one Q5_K
+  // row's values and bytes
+  float* xf = scratch(M * (x_floats + per_row) + int8_floats + strip_floats +
+                      2 * TILE_N * groups +
+                      (six || iq4 ? TILE_N * K / 4 : five_rows ? K + K / 4 : 0));
   float* extra = xf + M * x_floats;
-  float* scale_buf = extra + M * per_row + strip_floats;  // compact rows decoded
+  float* strip_at = extra + M * per_row + int8_floats;
+  float* scale_buf = strip_at + strip_floats;
   float* min_buf = scale_buf + TILE_N * groups;
   int8_t* unpacked = reinterpret_cast<int8_t*>(min_buf + TILE_N * groups);
-  float* five_values = min_buf + TILE_N * groups;  // (`unpacked` is Q6_K's)
+  float* five_values = min_buf + TILE_N * groups;
   if (path == Path::fp32) load_rows(x, bf, xf, M * K);
 #if CC_AVX2_ROWS
   if (q4_sums)
@@ -244,12 +261,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #if CC_INT8_STRIPS
   if constexpr (!Q4) {
     if (int8_strips) {
-      uint8_t* xq = reinterpret_cast<uint8_t*>(extra);
-      float* sx = extra + M * K / 4;
+      uint8_t* xq = reinterpret_cast<uint8_t*>(extra + M * per_row);
+      float* sx = extra + M * per_row + M * K / 4;
       for (int64_t m = 0; m < M; ++m)
         quantize_row_u8(static_cast<const bf16*>(x) + m * K, K, xq + m * K, sx + m * (K / 32));
       tiled = N / TILE_N * TILE_N;
-      const uintptr_t at = reinterpret_cast<uintptr_t>(extra + M * per_row);
+      const uintptr_t at = reinterpret_cast<uintptr_t>(strip_at);
       Strip8 st;
       st.wq = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
       st.minus = st.wq + K / 4;
@@ -257,8 +274,13 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #pragma omp for schedule(guided) nowait
       for (int64_t strip = 0; strip < N / TILE_N; ++strip) {
         const int64_t n0 = strip * TILE_N;
-        pack_strip_int8(static_cast<const int8_t*>(w) + n0 * K,
-                        scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), K,
+        const int8_t* rows = static_cast<const int8_t*>(w) + n0 * K;
+        if (iq4) {
+          for (int64_t r = 0; r < TILE_N; ++r)
+            unpack_row(static_cast<const char*>(w) + (n0 + r) * row_bytes, unpacked + r * K);
+          rows = unpacked;
+        }
+        pack_strip_int8(rows, scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), K,
                         groups, st);
         for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
           float out[STRIP_MB * TILE_N];
@@ -273,7 +295,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #if CC_BF16_PATH
   if (strips && !int8_strips) {
     tiled = N / TILE_N * TILE_N;
-    const uintptr_t at = reinterpret_cast<uintptr_t>(extra + M * per_row);
+    const uintptr_t at = reinterpret_cast<uintptr_t>(strip_at);
     Strip st;
     st.wp = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
     st.ds = reinterpret_cast<float*>(st.wp + K / 2);
@@ -283,10 +305,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       const int64_t n0 = strip * TILE_N;
       const S* ms = Q4 ? scale_rows<Q4, Compact>(mins, groups, n0, TILE_N, min_buf) : nullptr;
       const char* rows = static_cast<const char*>(w) + n0 * row_bytes;
-      if (six) {
-        for (int64_t r = 0; r < TILE_N; ++r)
-          unpack_q6_row(reinterpret_cast<const uint8_t*>(rows) + r * row_bytes, K,
-                        unpacked + r * K);
+      if (six || iq4) {
+        for (int64_t r = 0; r < TILE_N; ++r) unpack_row(rows + r * row_bytes, unpacked + r * K);
         rows = reinterpret_cast<const char*>(unpacked);
       }
       pack_strip<Q4>(rows, scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), ms,
@@ -319,7 +339,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // One row of x: a loop of its own (q4 through it ran 0.87-1.07x, by how the compiler
   // inlined it: docs/kernel-choices.md)
   if constexpr (!Q4) {
-    if (path == Path::bf16 && M == 1 && !six) {
+    if (path == Path::bf16 && M == 1 && !six && !iq4) {
       auto fields = [&](int64_t n) {
         return fields_at<Q4, Compact>(scales, groups, n, scales + (Compact ? 0 : n * groups));
       };
@@ -347,7 +367,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   for (int64_t n = tiled; n < N; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
     if (unpack) {
-      unpack_q6_row(reinterpret_cast<const uint8_t*>(wrow), K, unpacked);
+      unpack_row(wrow, unpacked);
       wrow = reinterpret_cast<const char*>(unpacked);
     }
     const S* s = in_place ? nullptr : scale_rows<Q4, Compact>(scales, groups, n, 1, scale_buf);
@@ -386,6 +406,16 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
         }
       }
 #endif
+      if constexpr (!Q4 && !Compact && std::is_same_v<S, float>) {
+        if (iq4 && path == Path::bf16) {
+          Bf16Row rm[MB_MAX];
+          for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);
+          const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
+          CC_BY_ROWS(mb, row_product_iq4_bf16<MB>(rm, K, wq, s, out));
+          store(y, flags, bias, N, n, m0, mb, out);
+          continue;
+        }
+      }
       if constexpr (!Q4 && Compact) {
         if (six && path == Path::bf16) {
           Bf16Row rm[MB_MAX];
@@ -552,7 +582,7 @@ void q8_linear_region(const void* x, int64_t flags, const void* w, const void* s
 
 // `flags` bit 0: out is bf16 (else fp32); bit 2: scales and mins are fp32 (else fp16);
 // bit 3: out is bf16 [hi | lo] rows (`dequantize_team`); bit 4: compact (Q4_K's, Q6_K's);
-// bit 6: q8's values packed in 6 bits (Q6_K's).
+// bit 6: q8's values packed in 6 bits (Q6_K's); bit 8: q8's values are IQ4's indices.
 void dequantize_q4_region(const void* w, const void* scales, const void* mins, void* out,
                           int64_t flags, int64_t N, int64_t K, int64_t g, int64_t threads) {
 #pragma omp parallel num_threads(threads)

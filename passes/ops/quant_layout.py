@@ -111,3 +111,29 @@ def unpack_q5(w: torch.Tensor) -> torch.Tensor:
     fifth = (masks.unsqueeze(-2) >> bits) & 1  # [.., r, h, j // 2, j % 2]
     u = nibbles | (fifth.reshape(*lead, chunks, 4, 2, 16) << 4)
     return u.reshape(*lead, chunks * 128)
+
+
+# IQ4_NL's (and IQ4_XS's) 16 values, which a 4-bit index selects (llama.cpp's
+# `kvalues_iq4nl`); the values are integers, exact in bf16.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The table as two 64-bit words of value + 128 bytes (indices 0-7, 8-15), so a traced
+# reference looks values up with shifts of scalars: no tensor constant in the graph.
+_IQ4_WORDS = tuple(
+    sum((v + 128) << (8 * i) for i, v in enumerate(IQ4_VALUES[h : h + 8])) for h in (0, 8)
+)
+_IQ4_WORDS = tuple(w - (1 << 64) if w >= 1 << 63 else w for w in _IQ4_WORDS)  # as int64
+
+
+def is_iq4(w: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether q8 fields hold IQ4_NL / IQ4_XS's 4-bit indices (two a byte, in q4's order)
+    beside fp32 scales for groups of 32 (Q6_K's 6-bit rows have compact int8 scales)."""
+    return w.dtype == torch.uint8 and scales.dtype == torch.float32 and (
+        w.shape[-1] * 2 == scales.shape[-1] * 32
+    )
+
+
+def iq4_values(indices: torch.Tensor) -> torch.Tensor:
+    """IQ4_NL's values of 4-bit indices (any integer dtype), as int16."""
+    n = indices.to(torch.int64)
+    word = torch.where(n < 8, _IQ4_WORDS[0], _IQ4_WORDS[1])
+    return (((word >> (8 * (n & 7))) & 255) - 128).to(torch.int16)

@@ -15,7 +15,8 @@ slice of each field, and a slice of input columns one of whole groups):
   (g = 32), int8 per output channel (g = K); Q6_K (g = 16, q - 32) with its scales as
   stored (compact): int8 [N, G + G/4], per row the G int8 sub-block scales then G/16
   fp32 super-block scales, and its values kept in 6 bits: `w` uint8 [N, 3K/4]
-  (`pack_q6`).
+  (`pack_q6`). IQ4_NL / IQ4_XS: `w` uint8 [N, K/2], 4-bit indices into a table of 16
+  integers in q4's nibble order (`iq4_values`), fp32 `scales` [N, K/32].
 
 Ops (namespace `compilecore`): `dequantize_q4`, `dequantize_q8` (what a quantized linear
 layer traces as: `mm(x, dequantize(...)^T)`, visible in every dump), and `q4_linear`,
@@ -41,7 +42,9 @@ from passes.ops.invariant_mm import LONG_ROWS, invariant_mm
 from passes.ops.quant_layout import (  # noqa: F401 - the layouts, re-exported
     GROUPS_PER_SUPER,
     groups_of,
+    iq4_values,
     is_compact,
+    is_iq4,
     is_q5,
     pack_q5,
     pack_q6,
@@ -108,19 +111,25 @@ def q4_int8_x(scales: torch.Tensor, int8_x: bool) -> bool:
     return bool(int8_x) and is_compact(scales)
 
 
-def q8_columns(w: torch.Tensor) -> int:
-    """The values a row of q8 blocks holds (Q6_K's 6-bit rows: 4 for 3 bytes)."""
-    return w.shape[-1] // 3 * 4 if w.dtype == torch.uint8 else w.shape[-1]
+def q8_columns(w: torch.Tensor, scales: torch.Tensor) -> int:
+    """The values a row of q8 blocks holds (Q6_K's 6-bit rows: 4 for 3 bytes; IQ4's
+    indices: 2 a byte)."""
+    if w.dtype != torch.uint8:
+        return w.shape[-1]
+    return 2 * w.shape[-1] if is_iq4(w, scales) else w.shape[-1] // 3 * 4
 
 
 def dequantize_q8_ref(w: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q8 blocks [..., K] (or Q6_K's 6-bit [..., 3K/4]) -> values [..., K] in `dtype`,
-    computed in fp32."""
+    """q8 blocks [..., K] (Q6_K's 6-bit [..., 3K/4], IQ4's indices [..., K/2]) -> values
+    [..., K] in `dtype`, computed in fp32."""
+    lead, k = w.shape[:-1], q8_columns(w, scales)
+    if is_iq4(w, scales):  # q4's nibble order, each nibble an index into the table
+        shifts = (torch.arange(2, dtype=torch.uint8, device=w.device) * 4).unsqueeze(-1)
+        w = iq4_values((w.reshape(*lead, k // RUN, 1, RUN // 2) >> shifts) & 15)
+    elif w.dtype == torch.uint8:
+        w = unpack_q6(w)
     if is_compact(scales):
         scales = expand_compact(scales)
-    if w.dtype == torch.uint8:
-        w = unpack_q6(w)
-    lead, k = w.shape[:-1], w.shape[-1]
     q = w.reshape(*lead, scales.shape[-1], -1)
     return (q.float() * scales.float().unsqueeze(-1)).reshape(*lead, k).to(dtype)
 
@@ -155,18 +164,22 @@ _SCALE_DTYPES = {True: (torch.float16, torch.float32, torch.uint8),
 
 
 def _kernel_reads(w: torch.Tensor, scales: torch.Tensor, q4: bool) -> bool:
-    """Whether the kernel reads these values: q4's uint8; q8's int8, or Q6_K's 6-bit
-    uint8 rows beside their compact scales."""
+    """Whether the kernel reads these values: q4's uint8; q8's int8, Q6_K's 6-bit uint8
+    rows beside their compact scales, or IQ4's indices."""
     if q4:
         return w.dtype == torch.uint8
-    return w.dtype == torch.int8 or (w.dtype == torch.uint8 and scales.dtype == torch.int8)
+    return w.dtype == torch.int8 or (
+        w.dtype == torch.uint8 and (scales.dtype == torch.int8 or is_iq4(w, scales))
+    )
 
 
 def _scale_flags(scales: torch.Tensor, w: torch.Tensor, q4: bool) -> int:
-    """Flag bits 2 (fp32 scales), 4 (compact) and 6 (values in more bits than the format's
-    own: q8's in 6, Q6_K's; q4's in 5, Q5_K's)."""
-    packed = is_q5(w, scales) if q4 else w.dtype == torch.uint8
-    return 4 * int(scales.dtype == torch.float32) | 16 * int(is_compact(scales)) | 64 * packed
+    """Flag bits 2 (fp32 scales), 4 (compact), 6 (values in other bits than the format's
+    own: q8's in 6, Q6_K's; q4's in 5, Q5_K's) and 8 (q8's values are IQ4's indices)."""
+    iq4 = not q4 and is_iq4(w, scales)
+    packed = is_q5(w, scales) if q4 else w.dtype == torch.uint8 and not iq4
+    flags = 4 * int(scales.dtype == torch.float32) | 16 * int(is_compact(scales))
+    return flags | 64 * packed | 256 * iq4
 
 
 def _dequantize_native(
@@ -176,7 +189,7 @@ def _dequantize_native(
     as the reference, ~10x faster), or None where it does not apply. `split` (bf16): rows
     [hi | lo] of 2K, hi + lo the value to 16 bits."""
     q4 = len(fields) == 2
-    k = q4_columns(w, fields[0]) if q4 else q8_columns(w)
+    k = q4_columns(w, fields[0]) if q4 else q8_columns(w, fields[0])
     if (
         w.dim() != 2
         or dtype not in (torch.float32, torch.bfloat16)
@@ -448,7 +461,7 @@ def _fake_dequantize_q4(w, scales, mins, dtype):
 
 
 def _fake_dequantize_q8(w, scales, dtype):
-    return w.new_empty(*w.shape[:-1], q8_columns(w), dtype=dtype)
+    return w.new_empty(*w.shape[:-1], q8_columns(w, scales), dtype=dtype)
 
 
 # Through `torch.library.Library` (no Python wrapper per call; docs/kernel-choices.md, Library

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from passes.ops.quant_layout import GROUPS_PER_SUPER, groups_of, is_q5
+from passes.ops.quant_layout import GROUPS_PER_SUPER, groups_of, is_iq4, is_q5
 
 _TL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -77,6 +77,11 @@ def quant_linear_triton(
     from passes.ops.triton_quant_kernels import quant_stream_kernel
 
     bits = 4 if len(fields) == 2 else 8
+    if bits == 8 and is_iq4(w, fields[0]):
+        raise ValueError(
+            "IQ4's 4-bit table indices are the CPU's layout: off the CPU a GGUF file's IQ4_NL "
+            "and IQ4_XS blocks are dequantized when loaded (models/gguf.py `_kept_formats`)"
+        )
     if bits == 8 and w.dtype == torch.uint8:
         raise ValueError(
             "Q6_K's 6-bit rows (the CPU's layout): the Triton product reads int8 values, "
@@ -85,7 +90,7 @@ def quant_linear_triton(
     if bits == 4 and is_q5(w, fields[0]):
         raise ValueError(
             "Q5_K's 5-bit rows are the CPU's layout: off the CPU a GGUF file's Q5_K blocks "
-            "are dequantized when loaded (models/gguf.py `kept_formats`)"
+            "are dequantized when loaded (models/gguf.py `keeps_q5_k`)"
         )
     x = x if x.stride(-1) == 1 else x.contiguous()
     fields = tuple(f.contiguous() for f in fields)

@@ -48,16 +48,19 @@ void dequantize_team(const void* w, const S* scales, const S* mins, void* out, i
   const bool bf = flags & 1, split = bf && (flags & 8);
   const bool six = !Q4 && Compact && (flags & 64);  // Q6_K's packed rows, unpacked first
   const bool five = Q4 && Compact && (flags & 64);  // Q5_K's
+  const bool iq4 = !Q4 && !Compact && (flags & 256);  // IQ4's indices, looked up first
   const auto [begin, end] = share(N);
-  const int64_t row_bytes = five ? K / 128 * Q5_CHUNK_BYTES : Q4 ? K / 2 : six ? K / 4 * 3 : K;
+  const int64_t row_bytes =
+      five ? K / 128 * Q5_CHUNK_BYTES : Q4 || iq4 ? K / 2 : six ? K / 4 * 3 : K;
   const int64_t groups = K / g;
   float* row = scratch(K + 2 * groups + K / 4);
   float *scale_buf = row + K, *min_buf = scale_buf + groups;
   int8_t* unpacked = reinterpret_cast<int8_t*>(min_buf + groups);
   for (int64_t n = begin; n < end; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
-    if (six) {
-      unpack_q6_row(reinterpret_cast<const uint8_t*>(wrow), K, unpacked);
+    if (six || iq4) {
+      if (six) unpack_q6_row(reinterpret_cast<const uint8_t*>(wrow), K, unpacked);
+      else unpack_iq4_row(reinterpret_cast<const uint8_t*>(wrow), K, unpacked);
       wrow = reinterpret_cast<const char*>(unpacked);
     }
     float* dst = bf ? row : static_cast<float*>(out) + n * K;

@@ -233,3 +233,34 @@ inline void dequantize_q5_row(const uint8_t* w, const float* s, const float* mn,
   unpack_q5_row(w, K, u);
   for (int64_t k = 0; k < K; ++k) out[k] = float(u[k]) * s[k / g] + mn[k / g];
 }
+
+// IQ4_NL / IQ4_XS: each value one of 16 integers (llama.cpp's `kvalues_iq4nl`), its 4-bit
+// index stored in q4's order (run byte j: value j low, j + 16 high). The bf16 row products
+// look indices up in place (`row_product_iq4_bf16`); the other paths read rows unpacked to
+// int8 by this, as Q8_0's.
+alignas(16) constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
+inline void unpack_iq4_row(const uint8_t* w, int64_t K, int8_t* out) {
+  int64_t run = 0;
+#if defined(__AVX512BW__)
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(
+      reinterpret_cast<const __m128i*>(IQ4_VALUES)));
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (; run + 4 <= K / 32; run += 4) {  // 4 runs: 64 bytes of indices
+    const __m512i v = _mm512_loadu_si512(w + run * 16);
+    const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+    const __m512i hi =
+        _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+    // run r: lo's 128-bit lane r (its values 0-15), then hi's (16-31)
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+    _mm512_storeu_si512(out + run * 32, _mm512_permutex2var_epi64(lo, first, hi));
+    _mm512_storeu_si512(out + run * 32 + 64, _mm512_permutex2var_epi64(lo, second, hi));
+  }
+#endif
+  for (; run < K / 32; ++run)
+    for (int j = 0; j < 16; ++j) {
+      out[run * 32 + j] = IQ4_VALUES[w[run * 16 + j] & 15];
+      out[run * 32 + j + 16] = IQ4_VALUES[w[run * 16 + j] >> 4];
+    }
+}

@@ -167,6 +167,67 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
   }
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
 }
+// IQ4's indices on the same path: each nibble, masked in place as q4's, looks its value up
+// as a bf16 word (`vpermw`: IQ4_VALUES are integers, exact in bf16), and `vdpbf16ps`
+// multiplies 32 of them by 32 activations exactly; a scale a run (groups of 32), no offset.
+template <int MB>
+inline void row_product_iq4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w,
+                                 const float* s, float* out) {
+  __m512 acc[MB_MAX];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512 values = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))));
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // words 0-15
+  const __m512i low = _mm512_set1_epi16(0x000f);
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t runs = K / 32;
+  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
+    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
+    const __m512 d = _mm512_maskz_loadu_ps(__mmask16((1u << n) - 1), s + r0);
+    int64_t p = 0;
+    for (; p + 4 <= n; p += 4) {  // a chunk of 4 runs: lanes 4i .. 4i + 3 are run p + i
+      const int64_t k = (r0 + p) * 32;
+      prefetch_weights(w + k / 2);
+      const __m512i v = _mm512_loadu_si512(w + k / 2);
+      const __m512i a = _mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
+      const __m512i b =
+          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 8), low), table);
+      const __m512i c =
+          _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), table);
+      const __m512i d4 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);
+      const __m512 scale =
+          _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(int(p)), quarter), d);
+      for (int m = 0; m < MB; ++m) {
+        const bf16* xm = rows[m].x + k;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)a,
+                                      (__m512bh)_mm512_loadu_si512(xm));
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)b, (__m512bh)_mm512_loadu_si512(xm + 32));
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)c, (__m512bh)_mm512_loadu_si512(xm + 64));
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)d4, (__m512bh)_mm512_loadu_si512(xm + 96));
+        acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
+      }
+    }
+    for (; p < n; p += 2) {  // a last pair of runs (x as pairs): lanes 0-7 and 8-15
+      const int64_t k = (r0 + p) * 32;
+      const __m512i bytes = _mm512_cvtepu8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k / 2)));
+      const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, low), table);
+      const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+      const __m512i pick = _mm512_setr_epi32(p, p, p, p, p, p, p, p, p + 1, p + 1, p + 1, p + 1,
+                                             p + 1, p + 1, p + 1, p + 1);
+      const __m512 scale = _mm512_permutexvar_ps(pick, d);
+      for (int m = 0; m < MB; ++m) {
+        const bf16* xm = rows[m].x + k;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo,
+                                      (__m512bh)_mm512_loadu_si512(xm));
+        dot = _mm512_dpbf16_ps(dot, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xm + 32));
+        acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
 // A chunk's 32 top bytes in both halves of a vector (`unpack_q6_row` has the layout).
 inline __m512i top_bits(const uint8_t* chunk) {
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64)));
