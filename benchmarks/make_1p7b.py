@@ -1,8 +1,8 @@
 """A 1.7B-class model for the benchmarks: random weights with SmolLM2-1.7B's shapes (24
 layers, hidden 2048, MLP 8192, 32 heads, a 49152-token vocabulary, tied embeddings), the
 default model's tokenizer, saved as a bf16 safetensors folder and converted with
-llama.cpp's own tools (setup_peers.sh builds them) to BF16, Q8_0, Q4_1, Q4_K_M and Q5_K_M
-GGUF files.
+llama.cpp's own tools (setup_peers.sh builds them) to BF16, Q8_0, Q4_1, Q4_K_M, Q5_K_M and
+IQ4_XS GGUF files.
 
 A 135M model partly fits in a large last-level cache; this one (3.4 GB in bf16, 1.1 GB
 in Q4_1) does not, so its decode speed is the memory's.
@@ -70,7 +70,7 @@ def convert() -> None:
                         "--outtype", "bf16", "--outfile", str(gguf_file("bf16"))],
                        check=True, env=env)  # fmt: skip
     quantize = peers.llama_tool("llama-quantize")
-    for kind in ("Q8_0", "Q4_1", "Q4_K_M", "Q5_K_M"):
+    for kind in ("Q8_0", "Q4_1", "Q4_K_M", "Q5_K_M", "IQ4_XS"):
         if not gguf_file(kind.lower()).is_file():
             subprocess.run([str(quantize), str(gguf_file("bf16")), str(gguf_file(kind.lower())),
                             kind], check=True, capture_output=True)  # fmt: skip
@@ -81,5 +81,5 @@ if __name__ == "__main__":
         sys.exit(f"llama-quantize is missing: build it with {peers.SETUP}")
     print(make_folder())
     convert()
-    for kind in ("bf16", "q8_0", "q4_1", "q4_k_m", "q5_k_m"):
+    for kind in ("bf16", "q8_0", "q4_1", "q4_k_m", "q5_k_m", "iq4_xs"):
         print(gguf_file(kind))
