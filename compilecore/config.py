@@ -152,8 +152,9 @@ class SpeculativeConfig:
     model: str | None = None
     # Ours: a request whose verifications emit fewer tokens than this on average stops
     # proposing for a while. A fixed number, not the measured cost of a verification, so
-    # that a request's tokens do not depend on timing. None: 2.0 on CPU (a 4-token step
-    # cost 2.7 one-token steps without our multi-row kernels, 1.2-1.5 with them), 1.2 else.
+    # that a request's tokens do not depend on timing. None: 1 + k / 2 on CPU (with the
+    # decode graphs a verification of 1 + k tokens cost 2.4 one-token steps at k = 3, 3.3
+    # at k = 5 on the default model: benchmarks/bench_spec.py), 1.2 else.
     min_tokens_per_verification: float | None = None
 
     @classmethod
@@ -407,7 +408,8 @@ class EngineConfig:
     def _speculative(self) -> None:
         spec, sched = self.speculative_config, self.scheduler_config
         if spec.min_tokens_per_verification is None:
-            spec.min_tokens_per_verification = 2.0 if self.device.type == "cpu" else 1.2
+            cpu = self.device.type == "cpu"
+            spec.min_tokens_per_verification = 1 + spec.num_speculative_tokens / 2 if cpu else 1.2
         if sched.async_scheduling:
             raise ValueError(
                 "speculative_config cannot be used with async_scheduling yet (a step's "

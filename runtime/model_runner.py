@@ -173,6 +173,31 @@ def pad_decode_plan(plan: StepPlan, size: int) -> StepPlan:
     )
 
 
+def rows_as_decodes(plan: StepPlan) -> StepPlan | None:
+    """A step whose every token is a logits row (decodes beside speculative verifications,
+    each a query of 1 + k tokens) as a decode-only plan: each token a sequence of its own
+    whose keys end at its position (its query's earlier tokens' K/V are written in the
+    same step, before any attention reads them, as every step's are), so that the step
+    replays the decode graph of its token count. None for any other step."""
+    n = plan.num_tokens
+    if plan.num_decodes == n or plan.logits_rows != list(range(n)):
+        return None
+    starts = plan.query_starts
+    owner = [i for i in range(len(plan.seq_lens)) for _ in range(starts[i + 1] - starts[i])]
+    return StepPlan(
+        token_ids=plan.token_ids,
+        positions=plan.positions,
+        slots=plan.slots,
+        query_starts=list(range(n + 1)),
+        seq_lens=[p + 1 for p in plan.positions],
+        block_tables=[plan.block_tables[i] for i in owner],
+        num_decodes=n,
+        logits_rows=plan.logits_rows,
+        argmax_only=plan.argmax_only,
+        fed=plan.fed,
+    )
+
+
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, model: nn.Module, attn_backend):
         self.config = engine_config
@@ -375,6 +400,9 @@ class ModelRunner:
             self.cpu_graphs.clear()
             if self.full_graphs:
                 self.capture_full_graphs()
+        as_decodes = rows_as_decodes(plan) if self.cpu_graph_sizes else None
+        if as_decodes is not None and self._cpu_graph_size(as_decodes) is not None:
+            plan = as_decodes  # verifications replay the decode graph of their token count
         size, graph = self._whole_step_graph(plan)
         # Only for this step: whoever computes logits next (a test, a tool) gets them all.
         self._set_argmax_only(plan.argmax_only)

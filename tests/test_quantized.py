@@ -1064,12 +1064,20 @@ def test_triton_products_equal_the_reference(rows, n, runs, bits, fmt, bias, dty
 @_interpreted
 def test_triton_products_refuse_6_bit_rows():
     """The CUDA product reads Q6_K's values as int8 (unpacked once at load): handed the
-    CPU's 6-bit rows it says so, where it unpacked a full copy on every call before."""
+    CPU's 6-bit rows it says so, where it unpacked a full copy on every call before; and
+    Q5_K's 5-bit rows and IQ4's indices, which load as floats off the CPU."""
     from passes.ops.triton_quant import quant_linear_triton
 
     g = torch.Generator().manual_seed(0)
     w, scales = _q8_fields(g, 8, 256, 16, k_quant=True)
     with pytest.raises(ValueError, match="unpack_6bit_values"):
+        quant_linear_triton(torch.randn(1, 256), w, (scales,))
+    # Q5_K's 5-bit rows and IQ4's table indices likewise: a GPU loads those as floats
+    with pytest.raises(ValueError, match="Q5_K's 5-bit rows"):
+        w, scales, mins = _q4_fields(g, 8, 256, five=True)
+        quant_linear_triton(torch.randn(1, 256), w, (scales, mins))
+    with pytest.raises(ValueError, match="IQ4's 4-bit table indices"):
+        w, scales = _iq4_fields(g, 8, 256)
         quant_linear_triton(torch.randn(1, 256), w, (scales,))
 
 

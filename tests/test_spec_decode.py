@@ -129,6 +129,39 @@ def test_greedy_tokens_equal_without_speculation(engines, batch):
 
 
 @pytest.mark.slow
+def test_verifications_replay_the_decode_graphs(tiny_llama, tmp_path_factory):
+    """A step of verifications (every row a logits row) runs as decodes, a sequence a
+    token (`rows_as_decodes`), so it replays the CPU graph of its token count: on a Q8_0
+    file (every product a recorded call at any row count; a float model's batched GEMMs
+    are not), after drafting, every step but the prefill replays a graph, and the tokens
+    equal plain decoding's."""
+    from compilecore.counters import compilation_counter
+    from runtime.model_runner import rows_as_decodes
+    from tests.gguf_files import Q, write_gguf
+
+    path = tmp_path_factory.mktemp("spec_graphs") / "q8.gguf"
+    write_gguf(path, tiny_llama[1], {}, Q.Q8_0)
+    spec, plain = (LLM(str(path), speculative_config=s, skip_tokenizer_init=True,
+                       kv_cache_memory=1 << 20, **ENGINE) for s in (NGRAM, None))  # fmt: skip
+    if not spec.llm_engine.runner.cpu_graph_sizes:
+        pytest.skip("no CPU graphs on this CPU (our kernels do not build)")
+    steps, run_step = [], spec.llm_engine.executor.execute
+    spec.llm_engine.executor.execute = lambda plan, *a: steps.append(plan) or run_step(plan, *a)
+    prompts = _prompts(np.random.default_rng(5), 2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for prompt in prompts:
+        spec.generate([prompt], params, use_tqdm=False)  # capture the sizes it meets
+    replays = compilation_counter.num_cpu_graph_replays
+    steps.clear()
+    outs = spec.generate(prompts[:1], params, use_tqdm=False)
+    verifications = [p for p in steps if rows_as_decodes(p) is not None]
+    assert outs[0].metrics.num_draft_tokens > 0 and verifications
+    assert compilation_counter.num_cpu_graph_replays - replays == len(steps) - 1  # no prefill
+    want = plain.generate(prompts[:1], params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+@pytest.mark.slow
 @testing.settings(max_examples=6)
 @given(
     lengths=st.lists(st.integers(4, 16), min_size=1, max_size=5),
