@@ -45,19 +45,44 @@ EDITS = {
 }
 
 
+def _copies(model: torch.nn.Module) -> None:
+    """A copy made from each weight (as the packed layouts and the head's screen are)."""
+    for p in model.parameters():
+        derived.derived(p, "test_copy", lambda t: t.clone())
+
+
 @pytest.mark.parametrize("path", EDITS)
 def test_every_edit_path_is_seen_before_the_next_step(path):
+    """Each edit path, on weights that copies were made from: the watch reports it before
+    the next step, once; after copies of whatever the model holds now are made, a `.data`
+    write to those is reported too."""
     model = _model()
     watch = WeightWatch(model)
+    _copies(model)
     assert not watch.check()
     with torch.no_grad():
         EDITS[path](model)
     assert watch.check(), path
     assert not watch.check()  # seen once
-    # Whatever parameters the model holds now are watched: a `.data` write to them too.
     assert all(type(p) is WatchedParameter for p in model.parameters())
+    _copies(model)  # made again (current): nothing new to report
+    assert not watch.check()
     model[1].weight.data.mul_(3)
     assert watch.check(), f"a .data write after {path}"
+
+
+def test_a_write_in_place_with_no_copy_is_left_to_the_graphs():
+    """Graphs read weights by address, so a weight written in place that no copy was made
+    from needs no graph recorded again (the engine-level check that tokens follow every
+    edit is tests/test_cpu_graph.py's); its address moving does."""
+    model = _model()
+    watch = WeightWatch(model)
+    with torch.no_grad():
+        model[0].weight.copy_(_new(model[0].weight))
+        model[1].weight.data.mul_(2)
+    assert not watch.check()
+    model[1].weight.data = _new(model[1].weight)
+    assert watch.check()
 
 
 def test_a_data_write_makes_copies_of_the_weight_again():

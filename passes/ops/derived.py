@@ -87,6 +87,21 @@ def current(w: torch.Tensor, kind: str) -> Any | None:
     return held[1] if held is not None and held[0] == _state(w) else None
 
 
+def stale(ids: frozenset[int]) -> frozenset[tuple]:
+    """The copies of tensors among `ids` (by id) that no longer match their tensor: written
+    in place (its version counter moved) or `weights_written()` since they were made. Each
+    as (tensor id, key, its state when made), so a copy made again is a new entry."""
+    found = []
+    for ident in ids & _COPIES.keys():
+        ref, copies = _COPIES[ident]
+        owner = ref()
+        if owner is None:
+            continue
+        now = (version_counter(owner), _WRITES[0])
+        found += [(ident, key, state) for key, (state, _) in copies.items() if state[1:] != now]
+    return frozenset(found)
+
+
 def forget(kind: str | None = None) -> None:
     """Drop every copy (of one kind): they are made again at their next use."""
     for _, copies in _COPIES.values():
