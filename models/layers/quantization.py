@@ -188,8 +188,8 @@ def quantization_config(name: str | None) -> QuantizationConfig | None:
     raise ValueError(
         f"quantization={name!r} is not supported: use 'int8' (per output channel), 'int4' "
         "(groups of 32, a scale and a minimum each) or 'int4_g128' on a float checkpoint, or "
-        "pass a .gguf file as the model (its Q8_0, Q4_0 and Q4_1 blocks are kept; other "
-        "types are dequantized)"
+        "pass a .gguf file as the model (its Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K and IQ4 "
+        "blocks are kept; other types are dequantized)"
     )
 
 
