@@ -69,7 +69,9 @@ class PassConfig:
     # Q8_0's products quantize the activations to int8 per run of 32, as llama.cpp does for its
     # own: 1.5x the exact bf16 products over 6 rows and more, 1.01-1.22x at 1-2 rows (3-5 stay
     # exact), on AVX512-VNNI; so do the K-quants' row products (Q4_K 1-7 rows, 1.45x raw; Q6_K
-    # 1-5: docs/kernel-choices.md, Int8 activations). False: every product exact. CPU only.
+    # 1-5: docs/kernel-choices.md, Int8 activations); with AMX, q8's products of 128 rows and
+    # more multiply a copy rounded to bf16 in oneDNN's tiles (docs/kernel-choices.md, Strips).
+    # False: every product exact. CPU only.
     int8_activations: bool = True
     # Dequantization ops left as the reference's plain ops, for Inductor to fuse.
     decompose_dequantize: bool | None = None

@@ -34,7 +34,7 @@ from models.loader import load_hf_config
 from passes.config import CPU_NATIVE_PASSES, PassConfig
 from passes.decompose_dequantize import DecomposeDequantizePass
 from passes.manager import native_passes_built
-from passes.ops import quantized
+from passes.ops import packed_linear, quantized
 from passes.quantized_linear import QuantizedLinearPass
 from tests.gguf_files import Q
 from tests.gguf_files import quantize as gguf_quantize
@@ -426,9 +426,9 @@ def test_q8_products_carry_non_finite_and_tiny_activations(bad):
 
 @pytest.mark.parametrize("k_quant", [False, True])
 def test_q8_dense_rows_keep_the_values_bits(k_quant):
-    """Beyond `MAX_KERNEL_ROWS` (CPUs where the kernel has no bf16 path) a bf16 q8 product
-    is one bf16 GEMM over [x | x] and the split [hi | lo] copy (fp32 where the CPU has no
-    bf16 GEMM): the values to 16 bits, so
+    """Beyond the kernel's rows (`MAX_KERNEL_ROWS` where the kernel has no bf16 path,
+    `AMX_DENSE_ROWS` on AMX) an exact bf16 q8 product is one bf16 GEMM over [x | x] and the
+    split [hi | lo] copy (fp32 where the CPU has no bf16 GEMM): the values to 16 bits, so
     the bf16 output is the exact product's rounding but where the exact sum lies within
     ~2^-16 of a rounding boundary. Rounding the values to bf16 instead misses ~43% of the
     outputs."""
@@ -445,6 +445,74 @@ def test_q8_dense_rows_keep_the_values_bits(k_quant):
     assert (got != exact).double().mean() < 0.02
     bound = exact.double().abs() * 2**-7 + (x.double().abs() @ w.abs().T) * 2**-15
     assert bool(((got.double() - want).abs() <= bound).all())
+
+
+_DENSE_FORMATS = ["q4", "q4_k", "q5_k", "q8", "q6_k", "iq4"]
+
+
+def _dense_fields(g, fmt, n, k):
+    if fmt.startswith(("q4", "q5")):
+        return _q4_fields(g, n, k, 32, fmt == "q4_k", fmt == "q5_k")
+    return _iq4_fields(g, n, k) if fmt == "iq4" else _q8_fields(g, n, k, 32, fmt == "q6_k")
+
+
+@testing.settings(max_examples=30)
+@given(fmt=st.sampled_from(_DENSE_FORMATS), n=st.integers(1, 80), rows=st.integers(1, 24),
+       k=st.sampled_from([256, 512]), dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       split=st.booleans(), slice_rows=st.sampled_from([16, 32, 48, 1 << 20]))  # fmt: skip
+def test_dense_copies_multiply_the_dequantized_weight_slice_by_slice(
+    fmt, n, rows, k, dtype, split, slice_rows
+):
+    """A product past the kernel's rows dequantizes the weight into the thread's scratch a
+    slice of rows at a time (passes/ops/scratch.py), one GEMM a slice: against the exact
+    product of the copy's values (each value rounded to bf16, or to 16 bits when split),
+    every format, slices of 16-48 rows and one slice, bias added once per output."""
+    from passes.ops import scratch
+
+    g = torch.Generator().manual_seed(n * 7 + rows)
+    fields = _dense_fields(g, fmt, n, k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    split = split and dtype == torch.bfloat16
+    width = (2 if split else 1) * k * dtype.itemsize
+    saved, scratch.SCRATCH_BYTES = scratch.SCRATCH_BYTES, slice_rows * width
+    try:
+        got = quantized.dense_from_blocks(x, *fields[:1], fields[1:], bias, None, dtype, split)
+    finally:
+        scratch.SCRATCH_BYTES = saved
+    if got is None:  # no native dequantization here
+        assert quantized.kernel_path() == "portable"
+        return
+    ref = quantized.dequantize_q4_ref if len(fields) == 3 else quantized.dequantize_q8_ref
+    values = ref(*fields, torch.float64)
+    copy = values if split or dtype == torch.float32 else ref(*fields, dtype).double()
+    want = x.double() @ copy.T + bias.double()
+    assert got.shape == (rows, n) and got.dtype == dtype
+    scale = x.double().abs() @ values.abs().T + bias.double().abs()
+    bound = want.abs() * (2**-8 if dtype == torch.bfloat16 else 2**-20) + scale * 2**-15
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.skipif(
+    not (packed_linear.has_amx() and quantized.kernel_path() == "bf16"), reason="needs AMX"
+)
+def test_q8_products_of_many_rows_take_the_dense_copy_on_amx():
+    """With AMX, from `AMX_DENSE_ROWS` bf16 rows q8's products leave the strips for
+    oneDNN's tiles on a dense copy (benchmarks/ab_dense_copy.py): rounded to bf16 where
+    `int8_x` allows an approximation (its error bounded above), split [hi | lo] where the
+    product is exact; one row fewer stays on the kernel (the CPU graphs' sizes)."""
+    g = torch.Generator().manual_seed(3)
+    fields = _q8_fields(g, 64, 576)
+    rows = quantized.AMX_DENSE_ROWS
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    y = x.new_empty(rows, 64)
+    assert quantized._q8_call((x[:-1], *fields, None, None, True), y[:-1]) is not None
+    assert quantized._q8_call((x, *fields, None, None, True), y) is None
+    for int8_x in (True, False):
+        got = quantized.q8_linear(x, *fields, None, None, int8_x)
+        want = quantized.dense_from_blocks(x, fields[0], fields[1:], None, None,
+                                           torch.bfloat16, not int8_x)  # fmt: skip
+        assert torch.equal(got, want)
 
 
 def _cpu_flags() -> set[str]:
@@ -869,6 +937,9 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
                          "embed_tokens": Q.IQ4_XS}  # fmt: skip
                 oracle = write_gguf(tmp_path / "q.gguf", hf, types, Q.Q5_K)
         prompts = [[5 + i, 17, 33, 2 * i] for i in range(8)] + [[40, 41, 42, 43, 44, 45, 46]]
+        # a step of 128 tokens and more: q8's dense copy on AMX (AMX_DENSE_ROWS); a prompt
+        # whose greedy tokens have no near tie within 0.05 (eager and compiled round apart)
+        prompts += [[(7 * i + 5) % 97 + 3 for i in range(120)]] * (layers == "q8_0")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []
     # The K-quants in fp32: this model's logits (~4) move by more than HF's near-tie margin
@@ -880,7 +951,7 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
     runs += [(False, False, True, "bfloat16")] * (layers == "q5_k_iq4_xs")
     for eager, int8, native, dtype in runs:  # (enforce_eager, int8_activations, native_kernels)
         passes = {"int8_activations": int8, "native_kernels": native}
-        llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=128,
+        llm = LLM(path, tokenizer=str(tokenizer_dir), enforce_eager=eager, max_model_len=256,
                   dtype=dtype, compilation_config={"passes": passes})  # fmt: skip
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                    use_tqdm=False)])  # fmt: skip

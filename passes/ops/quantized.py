@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from passes import native, native_calls
 from passes.native_calls import NativeCall
 from passes.ops.invariant_mm import LONG_ROWS, invariant_mm
+from passes.ops.packed_linear import has_amx
 from passes.ops.quant_layout import (  # noqa: F401 - the layouts, re-exported
     GROUPS_PER_SUPER,
     groups_of,
@@ -52,6 +53,7 @@ from passes.ops.quant_layout import (  # noqa: F401 - the layouts, re-exported
     unpack_q5,
     unpack_q6,
 )
+from passes.ops.scratch import row_slices, scratch
 from passes.ops.triton_utils import HAS_TRITON
 
 RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
@@ -68,6 +70,9 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # take team calls only.
 MAX_KERNEL_ROWS = MappingProxyType({4: 32, 8: 128})
 BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
+# With AMX, oneDNN's bf16 tiles on the dense copy (`dense_from_blocks`) beat q8's strips from
+# 128 rows: 1.1-1.4x there, 2.4-3.1x at 512 (benchmarks/ab_dense_copy.py); 0.7-0.94x at 64.
+AMX_DENSE_ROWS = 128
 # The fp32 path (AVX2 + FMA): q8's row products lose to MKL's fp32 GEMM on the dequantized
 # weight from 32-64 rows (1536x576: 0.68x at 64 rows, 0.57x at 128), q4's break even at 64.
 FP32_ROWS = MappingProxyType({4: 32, 8: 32})
@@ -183,11 +188,13 @@ def _scale_flags(scales: torch.Tensor, w: torch.Tensor, q4: bool) -> int:
 
 
 def _dequantize_native(
-    w: torch.Tensor, fields: tuple[torch.Tensor, ...], dtype: torch.dtype, split: bool = False
-) -> torch.Tensor | None:
+    w: torch.Tensor, fields: tuple[torch.Tensor, ...], dtype: torch.dtype, split: bool = False,
+    into_scratch: bool = False,
+) -> torch.Tensor | None:  # fmt: skip
     """The kernel's dequantization of 2-D blocks on CPU into bf16 or fp32 (the same values
     as the reference, ~10x faster), or None where it does not apply. `split` (bf16): rows
-    [hi | lo] of 2K, hi + lo the value to 16 bits."""
+    [hi | lo] of 2K, hi + lo the value to 16 bits. `into_scratch`: written into this
+    thread's scratch (passes/ops/scratch.py), valid until its next use."""
     q4 = len(fields) == 2
     k = q4_columns(w, fields[0]) if q4 else q8_columns(w, fields[0])
     if (
@@ -203,7 +210,8 @@ def _dequantize_native(
         return None
     n, groups = w.shape[0], groups_of(fields[0])
     split = split and dtype == torch.bfloat16
-    out = torch.empty(n, 2 * k if split else k, dtype=dtype)
+    shape = (n, 2 * k if split else k)
+    out = scratch(shape, dtype) if into_scratch else torch.empty(shape, dtype=dtype)
     flags = int(dtype == torch.bfloat16) | 8 * split | _scale_flags(fields[0], w, q4)
     args = (w, *fields, out, flags, n, k, k // groups, torch.get_num_threads())
     region = lib.dequantize_q4_region if q4 else lib.dequantize_q8_region
@@ -286,6 +294,8 @@ def _invariant_dense(x: torch.Tensor, bits: int, scales: torch.Tensor) -> bool:
 def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
     exact = x.dtype == torch.bfloat16 and _bf16_path(bits, x.shape[-1], group)
     limit = BF16_ROWS[bits] if exact else MAX_KERNEL_ROWS[bits]
+    if exact and bits == 8 and has_amx():
+        limit = AMX_DENSE_ROWS - 1
     if kernel_path() == "fp32":
         limit = FP32_ROWS[bits]
     return limit is None or x.shape[0] <= limit
@@ -398,9 +408,12 @@ def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invar
         return y if bias is None else y + bias
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q4_call((x, w, scales, mins, bias, out_dtype, int8_x, invariant), y)
-    if call is None:  # many rows (a prefill): one dense copy, then the dense product
+    if call is None:  # many rows (a prefill): a dense copy, then the dense product
         dtype = _dense_dtype(x, out_dtype)
-        return _dense_product(x, dequantize_q4(w, scales, mins, dtype), bias, out_dtype)
+        y = dense_from_blocks(x, w, (scales, mins), bias, out_dtype, dtype)
+        if y is None:
+            y = _dense_product(x, dequantize_q4(w, scales, mins, dtype), bias, out_dtype)
+        return y
     call.run()
     return y
 
@@ -417,21 +430,48 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=F
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q8_call((x, w, scales, bias, out_dtype, int8_x, invariant), y)
     if call is None:
-        return q8_dense_product(x, w, scales, bias, out_dtype)
+        return q8_dense_product(x, w, scales, bias, out_dtype, int8_x)
     call.run()
     return y
 
 
-def q8_dense_product(x, w, scales, bias=None, out_dtype=None):
+def q8_dense_product(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     """Beyond the kernel's rows: a dense GEMM on a dequantized copy; bf16 multiplies
-    [x | x] by the split [hi | lo] copy (Q8_0's values do not fit bf16: 19 bits); fp32
-    where the CPU has no bf16 GEMM (`bf16_gemm_is_native`)."""
+    [x | x] by the split [hi | lo] copy (Q8_0's values do not fit bf16: 19 bits), or with
+    `int8_x` on AMX by the copy rounded to bf16 (the approximation `int8_x` allows, whose
+    error is below int8 activations': tests/test_quantized.py bounds both); fp32 where the
+    CPU has no bf16 GEMM (`bf16_gemm_is_native`)."""
     dtype = _dense_dtype(x, out_dtype)
-    if dtype == torch.bfloat16 and x.dim() == 2:
-        split = _dequantize_native(w, (scales,), dtype, split=True)
-        if split is not None:
-            return _product_ref(torch.cat([x, x], 1), split, bias, out_dtype)
+    if x.dim() == 2:
+        split = dtype == torch.bfloat16 and not (int8_x and has_amx())
+        y = dense_from_blocks(x, w, (scales,), bias, out_dtype, dtype, split)
+        if y is not None:
+            return y
     return _dense_product(x, dequantize_q8(w, scales, dtype), bias, out_dtype)
+
+
+def dense_from_blocks(x, w, fields, bias, out_dtype, dtype, split=False):
+    """x @ dequantize(w, *fields)^T (+ bias), the weight dequantized into `dtype` in this
+    thread's scratch a slice of rows at a time, each slice one library GEMM (`split`: [x | x]
+    times the [hi | lo] copy); None where the native dequantization does not apply."""
+    if x.dim() != 2:
+        return None
+    q4 = len(fields) == 2
+    k = q4_columns(w, fields[0]) if q4 else q8_columns(w, fields[0])
+    width = 2 * k if split else k
+    slices = row_slices(w.shape[0], width * dtype.itemsize)
+    x = torch.cat([x, x], 1) if split else x
+    if len(slices) > 1:
+        y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
+    for a, b in slices:
+        part = _dequantize_native(w[a:b], tuple(f[a:b] for f in fields), dtype, split, True)
+        if part is None:
+            return None
+        out = _dense_product(x, part, None if bias is None else bias[a:b], out_dtype)
+        if len(slices) == 1:
+            return out
+        y[:, a:b] = out
+    return y
 
 
 def q4_linear_cuda(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invariant=False):
