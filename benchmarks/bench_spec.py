@@ -8,8 +8,9 @@ interleaved.
 bf16 GGUF drafted by its shipped Q4_1 file (the same model at a third of the bytes), or a
 random-weight 1.7B-class target drafted by the 135M, where only never-slower means anything.
 
-Two prompts through the chat template: an input-grounded one (rewrite a given text, where
-lookups find what the answer quotes) and a free one. Per round and configuration, a fresh
+Three prompts through the chat template: a code edit (rename a variable in a given
+function), a copy of a given paragraph (input-grounded: lookups find what the answer
+quotes) and a free one. Per round and configuration, a fresh
 request (prefix caching off: each round computes its whole prompt) is decoded greedily.
 Prints tok/s medians and ranges, each configuration over plain decoding in the same
 round, the acceptance, a verification step's time in plain decode steps (medians), and
@@ -36,6 +37,22 @@ GROUNDED = (
     "QKV projection. The graph is cut at attention, which stays a custom op, and each "
     "piece is captured as a graph per batch size. The runtime schedules requests in "
     "continuous batches under a token budget, and a long prompt is prefilled in chunks."
+)
+CODE = (
+    "In this Python function rename the variable `total` to `running_sum` and give back the "
+    "whole function, every other line unchanged:\n\n"
+    "def mean_of_positive(values):\n"
+    "    total = 0.0\n"
+    "    count = 0\n"
+    "    for value in values:\n"
+    "        if value is None:\n"
+    "            continue\n"
+    "        if value > 0:\n"
+    "            total += value\n"
+    "            count += 1\n"
+    "    if count == 0:\n"
+    "        return 0.0\n"
+    "    return total / count\n"
 )
 FREE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -73,11 +90,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5])
     ap.add_argument("--draft", default=None, help="a draft model's path (GGUF or folder)")
     ap.add_argument("--draft-only", action="store_true", help="no n-gram configurations")
+    ap.add_argument("--floor", type=float, default=None,
+                    help="min_tokens_per_verification (default: the engine's)")  # fmt: skip
     args = ap.parse_args()
     configs = {"plain": None}
     for k in args.k:
         if not args.draft_only:
-            configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k}
+            configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k,
+                                       "min_tokens_per_verification": args.floor}  # fmt: skip
         if args.draft:
             configs[f"draft k={k}"] = {"model": args.draft, "num_speculative_tokens": k}
     # No prefix cache: every round computes its whole prompt, as the first did.
@@ -90,7 +110,18 @@ def main() -> None:
         f"{machine()}; batch 1, {args.tokens} greedy tokens, {args.rounds} rounds; "
         f"model {args.model or 'default'}, draft {args.draft}"
     )
-    for label, text in (("grounded", GROUNDED), ("free", FREE)):
+    workloads = (("code", CODE), ("grounded", GROUNDED), ("free", FREE))
+    # Before round 0: the CPU graph of every verification size (a step of b decodes records
+    # and checks the graph a verification of b tokens replays), then each workload once.
+    warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for llm in llms.values():
+        for b in range(1, max(args.k) + 2):
+            llm.generate([[1, 2, 3]] * b, warm, use_tqdm=False)
+        for _, text in workloads:
+            run(llm, f"(warm-up) {text}", args.tokens)
+    for llm in llms.values():
+        llm.step_ms = {False: [], True: []}
+    for label, text in workloads:
         speeds = {name: [] for name in llms}
         ratios = {name: [] for name in llms}
         same, accept = {name: True for name in llms}, {}
@@ -116,9 +147,10 @@ def main() -> None:
                 times = llms[name].step_ms
                 # in plain decoding's steps (every step verifies with a draft model)
                 plain_ms = statistics.median(llms["plain"].step_ms[False])
-                cost = statistics.median(times[True]) / plain_ms
+                cost = (f"{statistics.median(times[True]) / plain_ms:.1f} steps"
+                        if times[True] else "none run")  # fmt: skip
                 line += (f"  {statistics.median(q):.2f}x ({min(q):.2f}-{max(q):.2f})"
-                         f"  a verification {cost:.1f} steps"
+                         f"  a verification {cost}"
                          f"  accepted {rate or 0:.0%}, {length or 1:.2f} tokens/step"
                          f"  tokens equal: {same[name]}")  # fmt: skip
             print(line, flush=True)

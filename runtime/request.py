@@ -15,14 +15,17 @@ from runtime.sampling_params import SamplingParams
 @dataclass
 class SpecState:
     """A request's speculative decoding (runtime/spec_decode.py): the drafts of its next
-    step, its counts (RequestMetrics), and the pause after a low acceptance."""
+    step, its counts (RequestMetrics), whether it watches its lookups instead of verifying
+    them (and the lookup it watches), and a draft model's pause after a low acceptance."""
 
     drafts: list[int] = field(default_factory=list)
     num_drafts: int = 0  # verification steps
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    recent_verified: int = 0
-    recent_accepted: int = 0
+    # Tokens accepted per verification (or watched lookup), halved toward each new outcome.
+    score: float = 0.0
+    shadow: list[int] = field(default_factory=list)  # drafts not sent, judged by what follows
+    shadow_at: int = 0  # the request's token count when they were proposed
     pause: int = 0  # steps left without proposals
     next_pause: int = 4
 

@@ -24,10 +24,16 @@ filtered distribution at row i gives it, and draw the first refused one again wi
 gives it, from the request's own seeded draws. Only requests without logprobs, logits
 processing or a grammar speculate; the others in the same step decode as usual.
 
-Never much slower: a verification step costs more than a decode step (on a CPU without
-our quantized kernels here 2.7x for 4 tokens; on a GPU a few percent), so a request whose
-verifications emit fewer tokens than `min_tokens_per_verification` stops proposing for a
-while (`Proposer`): free text pays little for drafts that were wrong.
+Never slower: a verification step costs more than a decode step (on this CPU 2.2-2.5 for
+4 tokens; on a GPU a few percent), so it pays only where it emits at least
+`min_tokens_per_verification` tokens. A lookup costs nothing to check without verifying
+it: a request starts by watching its lookups (`SpecState.shadow`), each judged by the
+tokens the request goes on to emit as its verification would have been, and sends drafts
+only while its lookups (watched or verified, each outcome weighing as much as all before
+it: `SpecState.score`) emit enough; free text, whose lookups rarely come true, so runs
+as plain decoding but for a verification after a chance repetition. A draft model's
+proposals cost a run of the draft, so a request whose verifications do not pay pauses
+instead, doubling.
 """
 
 from __future__ import annotations
@@ -38,12 +44,11 @@ from collections.abc import Callable
 import torch
 
 from compilecore.config import SpeculativeConfig
-from runtime.request import Request
+from runtime.request import Request, SpecState
 from runtime.sampling_params import SamplingParams
 
-# A request's speculation is judged every RECENT verifications; one that does not pay
-# stops proposing for FIRST_PAUSE steps, doubling each time up to MAX_PAUSE.
-RECENT = 2
+# With a draft model, a request whose speculation does not pay stops proposing for
+# FIRST_PAUSE steps, doubling each time up to MAX_PAUSE.
 FIRST_PAUSE = 4
 MAX_PAUSE = 64
 
@@ -100,7 +105,7 @@ def _inverse_cdf(weights: torch.Tensor, u: float) -> int:
 def accepted_length(targets: list[int], drafts: list[int]) -> int:
     """How many leading drafts equal the target tokens decoded after the ones before."""
     n = 0
-    while n < len(drafts) and targets[n] == drafts[n]:
+    while n < min(len(drafts), len(targets)) and targets[n] == drafts[n]:
         n += 1
     return n
 
@@ -122,13 +127,26 @@ class Proposer:
             req.spec.drafts = self.propose(req)
 
     def propose(self, req: Request) -> list[int]:
-        """The drafts for `req`'s next step, or [] (not decoding, not plain greedy, near
-        its end, paused, or nothing found)."""
+        """The drafts for `req`'s next step, or [] (not decoding, not plain, near its end,
+        watching, or nothing found). A watched lookup is judged once the tokens after it
+        differ from it or it has been emitted whole."""
         c = self.config
         limit = self.limit(req)
         if limit < 1:
             return []
-        return ngram_proposal(req.all_token_ids, limit, c.prompt_lookup_min, c.prompt_lookup_max)
+        state = req.spec
+        if state.shadow:
+            emitted = req.all_token_ids[state.shadow_at :]
+            accepted = accepted_length(emitted, state.shadow)
+            if accepted == len(emitted) < len(state.shadow):
+                return []  # right so far: the tokens that judge it are still to come
+            self._judge(state, accepted)
+            state.shadow = []
+        drafts = ngram_proposal(req.all_token_ids, limit, c.prompt_lookup_min, c.prompt_lookup_max)
+        if drafts and not self.pays(state):
+            state.shadow, state.shadow_at = drafts, req.num_tokens
+            return []
+        return drafts
 
     def limit(self, req: Request) -> int:
         """How many drafts `req` may take next step: 0 where it is not decoding, not plain,
@@ -156,24 +174,20 @@ class Proposer:
         )
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
-        """A verification's outcome. Every RECENT verifications, tokens emitted per
-        verification below the floor pause the request's proposals (doubling up to
-        MAX_PAUSE steps while it stays below)."""
+        """A verification's outcome: the request's counts, and the judgement."""
         state = req.spec
         state.num_drafts += 1
         state.num_draft_tokens += drafted
         state.num_accepted_tokens += accepted
-        state.recent_verified += 1
-        state.recent_accepted += accepted
-        if state.recent_verified < RECENT:
-            return
-        floor = self.config.min_tokens_per_verification or 1.0
-        if 1 + state.recent_accepted / state.recent_verified < floor:
-            state.pause = state.next_pause
-            state.next_pause = min(2 * state.next_pause, MAX_PAUSE)
-        else:
-            state.next_pause = FIRST_PAUSE
-        state.recent_verified = state.recent_accepted = 0
+        self._judge(state, accepted)
+
+    def pays(self, state: SpecState) -> bool:
+        """Whether a verification is expected to emit at least the floor's tokens (always
+        with floor 1; never before an outcome with a higher one)."""
+        return 1 + state.score >= (self.config.min_tokens_per_verification or 1.0)
+
+    def _judge(self, state: SpecState, accepted: int) -> None:
+        state.score = (state.score + accepted) / 2
 
 
 class DraftModelProposer(Proposer):
@@ -187,6 +201,16 @@ class DraftModelProposer(Proposer):
         super().__init__(config, max_model_len)
         self.draft = draft
         self._ids = itertools.count()
+
+    def _judge(self, state: SpecState, accepted: int) -> None:
+        """Below the floor: no proposals for a pause, doubling up to MAX_PAUSE steps while
+        the request stays below."""
+        super()._judge(state, accepted)
+        if self.pays(state):
+            state.next_pause = FIRST_PAUSE
+        else:
+            state.pause = state.next_pause
+            state.next_pause = min(2 * state.next_pause, MAX_PAUSE)
 
     def propose_all(self, running: list[Request]) -> None:
         asked = []

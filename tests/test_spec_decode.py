@@ -17,7 +17,7 @@ from runtime import LLM, SamplingParams
 from runtime.request import Request
 from runtime.spec_decode import (
     FIRST_PAUSE,
-    RECENT,
+    DraftModelProposer,
     Proposer,
     accepted_length,
     ngram_proposal,
@@ -28,6 +28,8 @@ from tests.helpers import all_blocks_free, completions
 ENGINE = {"dtype": "float32", "block_size": 4, "max_model_len": 96}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}  # fmt: skip
+# The engines' tests verify every lookup (floor 1: none watched) to test exactness often.
+VERIFY_ALL = {**NGRAM, "min_tokens_per_verification": 1.0}
 
 
 def _occurrences(tokens: list[int], n: int) -> list[int]:
@@ -57,44 +59,85 @@ def test_ngram_proposal_is_what_followed_the_longest_match(tokens, k, n_min, ext
     assert len(got) == max(len(f) for f in follows)  # as many as any occurrence has
 
 
-def test_accepted_length_and_the_pause():
+def _emit(req: Request, *tokens: int) -> None:
+    for t in tokens:
+        req.append_token(t)
+    req.num_computed_tokens = req.num_tokens - 1
+
+
+def test_accepted_length_and_watching_lookups():
+    """A request watches its lookups while its score (tokens accepted per outcome, halved
+    toward each new one) says a verification would not emit the floor's tokens, judging
+    each watched lookup by the tokens the request goes on to emit; it sends drafts while
+    the score pays, and a verification that fails sends it back to watching."""
     assert accepted_length([5, 6, 7, 8], [5, 6, 9]) == 2
     assert accepted_length([1, 2], [3]) == 0
     assert accepted_length([4, 4, 4, 4], [4, 4, 4]) == 3
+    assert accepted_length([4], [4, 4, 4]) == 1  # a watched lookup, one token emitted after it
     req = Request("r", [1, 2, 1, 2, 1], SamplingParams(temperature=0, max_tokens=50))
-    req.num_computed_tokens = req.num_tokens - 1
+    _emit(req)
     config = SpeculativeConfig(**NGRAM, min_tokens_per_verification=2.5)
     proposer = Proposer(config, max_model_len=96)
-    assert proposer.propose(req) == [2, 1]  # the longest match (3 tokens) has 2 after it
-    for _ in range(RECENT):  # 1 + 1 tokens a verification: below the cost
-        proposer.record(req, 2, 1)
+    assert proposer.propose(req) == []  # watched: the longest match (3 tokens) has [2, 1] after it
+    assert req.spec.shadow == [2, 1]
+    _emit(req, 2)
+    assert proposer.propose(req) == [] and req.spec.shadow == [2, 1]  # right so far
+    _emit(req, 1)  # came true whole: 2 accepted, score 1: 2 tokens a verification < 2.5
+    assert proposer.propose(req) == [] and req.spec.shadow == [2, 1, 2]
+    assert req.spec.score == 1.0
+    _emit(req, 2, 1, 2)  # 3 accepted: score 2
+    drafts = ngram_proposal(req.all_token_ids, 3, 1, 3)
+    assert proposer.propose(req) == drafts != []  # drafts sent
+    assert req.spec.score == 2.0 and req.spec.num_drafts == 0  # watched ones are not counted
+    proposer.record(req, 3, 0)  # a verification that failed: score 1, watching again
+    assert req.spec.num_drafts == 1 and req.spec.score == 1.0
+    assert proposer.propose(req) == [] and req.spec.shadow
+    _emit(req, 7)  # the watched lookup failed at once: judged (0 accepted)
+    assert proposer.propose(req) == [] and req.spec.score == 0.5
+    sampled = Request("s", [1, 2, 1, 2, 1], SamplingParams(temperature=1.0, seed=3))
+    _emit(sampled)
+    always = Proposer(SpeculativeConfig(**NGRAM, min_tokens_per_verification=1.0), 96)
+    assert always.propose(sampled) == [2, 1]  # sampled ones too; floor 1: never watched
+    logprobs = Request("l", [1, 2, 1, 2, 1], SamplingParams(temperature=0, logprobs=1))
+    _emit(logprobs)
+    assert always.propose(logprobs) == []  # not where a row's logprobs are asked for
+    near_end = Request("e", [1, 2, 1, 2, 1], SamplingParams(temperature=0, max_tokens=50))
+    _emit(near_end)
+    near_end.output_token_ids = [0] * 48  # two tokens left of max_tokens=50: one draft at most
+    assert always.propose(near_end) == [2]
+
+
+def test_a_draft_models_low_acceptance_pauses_it():
+    """A draft model's proposals cost a run of the draft: a verification that leaves the
+    score below the floor pauses the request for FIRST_PAUSE steps, doubling while it
+    stays below, and back to FIRST_PAUSE once its verifications pay."""
+    req = Request("r", [1, 2, 1, 2, 1], SamplingParams(temperature=0, max_tokens=50))
+    _emit(req)
+    config = SpeculativeConfig(**NGRAM, min_tokens_per_verification=2.5)
+    proposer = DraftModelProposer(config, 96, draft=None)
+    assert proposer.limit(req) == 3  # verified from the start (no lookup to watch)
+    proposer.record(req, 3, 3)  # score 1.5: pays
+    assert req.spec.pause == 0
+    proposer.record(req, 3, 0)  # score 0.75
     assert req.spec.pause == FIRST_PAUSE
-    assert [proposer.propose(req) for _ in range(FIRST_PAUSE)] == [[]] * FIRST_PAUSE
-    assert proposer.propose(req) == [2, 1]  # and back after the pause
-    for _ in range(RECENT):  # below again: a longer pause
-        proposer.record(req, 2, 1)
+    assert [proposer.limit(req) for _ in range(FIRST_PAUSE)] == [0] * FIRST_PAUSE
+    assert proposer.limit(req) == 3  # back after the pause
+    proposer.record(req, 3, 1)  # still below: a longer pause
     assert req.spec.pause == 2 * FIRST_PAUSE
     req.spec.pause = 0
-    for _ in range(RECENT):  # 1 + 2 tokens a verification: it pays, no pause
-        proposer.record(req, 2, 2)
+    proposer.record(req, 3, 3)
+    proposer.record(req, 3, 3)  # pays again
     assert req.spec.pause == 0 and req.spec.next_pause == FIRST_PAUSE
-    sampled = Request("s", [1, 2, 1, 2, 1], SamplingParams(temperature=1.0, seed=3))
-    sampled.num_computed_tokens = sampled.num_tokens - 1
-    assert proposer.propose(sampled) == [2, 1]  # sampled ones too (the rejection rule)
-    logprobs = Request("l", [1, 2, 1, 2, 1], SamplingParams(temperature=0, logprobs=1))
-    logprobs.num_computed_tokens = logprobs.num_tokens - 1
-    assert proposer.propose(logprobs) == []  # not where a row's logprobs are asked for
-    req.output_token_ids = [0] * 48  # two tokens left of max_tokens=50: one draft at most
-    assert proposer.propose(req) == [2]
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama, tmp_path_factory):
-    """(speculating, plain) compiled engines on the tiny model, one compile cache."""
+    """(speculating on every lookup, plain, speculating with the default floor: watching
+    lookups until they pay) compiled engines on the tiny model, one compile cache."""
     config = {"cache_dir": str(tmp_path_factory.mktemp("spec_cache"))}
     made = [LLM(str(tiny_llama[0]), speculative_config=spec, compilation_config=config,
                 kv_cache_memory=1 << 20, **ENGINE)
-            for spec in (NGRAM, None)]  # fmt: skip
+            for spec in (VERIFY_ALL, None, NGRAM)]  # fmt: skip
     return tuple(made)
 
 
@@ -111,21 +154,26 @@ def _prompts(rng, count: int) -> list[list[int]]:
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_tokens_equal_without_speculation(engines, batch):
     """20 prompts, one at a time and 8 at a time: the same tokens, finish reasons and
-    texts; drafts both accepted and rejected; every KV block free afterwards."""
-    spec, plain = engines
+    texts; drafts both accepted and rejected; every KV block free afterwards. With the
+    default floor (lookups watched until they pay) too, fewer drafts verified."""
+    spec, plain, watching = engines
     prompts = _prompts(np.random.default_rng(batch), 20)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    got, want, drafted, accepted = [], [], 0, 0
+    want = []
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
-        outs = spec.generate(chunk, params, use_tqdm=False)
-        got += [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
-        drafted += sum(o.metrics.num_draft_tokens for o in outs)
-        accepted += sum(o.metrics.num_accepted_tokens for o in outs)
-        want += [(t, r) for t, r, _ in completions(plain, chunk, params)]
-    assert got == want
-    assert 0 < accepted < drafted
-    assert all_blocks_free(spec)
+        want += [(t, r) for t, r, _ in completions(plain, prompts[i : i + batch], params)]
+    drafted = {}
+    for llm in (spec, watching):
+        got, drafted[llm], accepted = [], 0, 0
+        for i in range(0, len(prompts), batch):
+            outs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+            got += [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+            drafted[llm] += sum(o.metrics.num_draft_tokens for o in outs)
+            accepted += sum(o.metrics.num_accepted_tokens for o in outs)
+        assert got == want
+        assert 0 < accepted < drafted[llm]
+        assert all_blocks_free(llm)
+    assert drafted[watching] < drafted[spec]
 
 
 @pytest.mark.slow
@@ -142,7 +190,7 @@ def test_verifications_replay_the_decode_graphs(tiny_llama, tmp_path_factory):
     path = tmp_path_factory.mktemp("spec_graphs") / "q8.gguf"
     write_gguf(path, tiny_llama[1], {}, Q.Q8_0)
     spec, plain = (LLM(str(path), speculative_config=s, skip_tokenizer_init=True,
-                       kv_cache_memory=1 << 20, **ENGINE) for s in (NGRAM, None))  # fmt: skip
+                       kv_cache_memory=1 << 20, **ENGINE) for s in (VERIFY_ALL, None))  # fmt: skip
     if not spec.llm_engine.runner.cpu_graph_sizes:
         pytest.skip("no CPU graphs on this CPU (our kernels do not build)")
     steps, run_step = [], spec.llm_engine.executor.execute
@@ -176,7 +224,7 @@ def test_stops_and_mixed_requests_equal_without_speculation(
     one with logprobs (which does not), each with its own max_tokens, a stop token the
     plain run emits, and a stop string: what each greedy request gives is the plain
     engine's, and the sampled one gives the same tokens when run again (its own draws)."""
-    spec, plain = engines
+    spec, plain, _ = engines
     rng = np.random.default_rng(seed)
     prompts = _prompts(rng, len(lengths))
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
@@ -203,8 +251,8 @@ def test_stops_and_mixed_requests_equal_without_speculation(
 def test_preemption_under_speculation(tiny_llama, engines):
     """A KV cache too small for the batch: requests are preempted (drafted slots count
     against the blocks) and recomputed, with the plain engine's tokens."""
-    _, plain = engines
-    small = LLM(str(tiny_llama[0]), speculative_config=NGRAM, kv_cache_memory=60 << 10,
+    _, plain, _ = engines
+    small = LLM(str(tiny_llama[0]), speculative_config=VERIFY_ALL, kv_cache_memory=60 << 10,
                 enforce_eager=True, **ENGINE)  # fmt: skip
     prompts = _prompts(np.random.default_rng(7), 6)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -241,7 +289,7 @@ def test_a_draft_model_keeps_greedy_tokens(engines, draft_engines, batch):
     """20 prompts one and 8 at a time with a draft model (vLLM's {"model": ...}): the plain
     engine's tokens and finish reasons; the model as its own draft has every draft
     accepted, another model some and not others; no KV block held in either engine."""
-    _, plain = engines
+    _, plain, _ = engines
     prompts = _prompts(np.random.default_rng(10 + batch), 20)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     want = [(t, r) for i in range(0, 20, batch)
@@ -317,7 +365,7 @@ def test_cli_metrics_and_report(engines, capsys):
                            "num_accepted_tokens": 5})  # fmt: skip
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="model"} 9.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="model"} 5.0' in text
-    spec, _ = engines
+    spec, _, _ = engines
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]
     out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     m = out.metrics
@@ -372,7 +420,7 @@ def test_sampled_speculation_matches_plain_sampling_in_distribution(engines):
     one token that the model's greedy continuation repeats (so drafts are often right):
     the second and third tokens' distributions with speculation equal plain sampling's
     (two-sample chi-square), and drafts were both kept and refused."""
-    spec, plain = engines
+    spec, plain, _ = engines
     start = [5 + i % 7 for i in range(30)]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     run = plain.generate([start], greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -407,7 +455,7 @@ def test_greedy_speculation_is_exact_in_batch_invariant_mode(tiny_gguf, tmp_path
     cc = {"batch_invariant": True, "cache_dir": str(tmp_path_factory.mktemp("spec_bi"))}
     engines = [LLM(str(tiny_gguf[0]), speculative_config=spec, compilation_config=cc,
                    skip_tokenizer_init=True, **ENGINE)
-               for spec in (NGRAM, None)]  # fmt: skip
+               for spec in (VERIFY_ALL, None)]  # fmt: skip
     prompts = _prompts(np.random.default_rng(11), 12)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = engines[0].generate(prompts[:8], params, use_tqdm=False)
