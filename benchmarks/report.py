@@ -2,6 +2,7 @@
 
     python benchmarks/report.py            # print the tables
     python benchmarks/report.py --write    # put them into README.md and docs/performance.md
+    python benchmarks/report.py --sittings gguf_peers_spr4 gguf_peers_spr5  # medians over several
 
 Each table goes between `<!-- report:NAME -->` and `<!-- /report -->` in those files;
 `tests/test_docs.py` checks that they hold what this prints, so a results file that
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -82,6 +84,40 @@ def cpu_table(path: Path) -> list[str]:
     return lines
 
 
+def sittings_table(paths: list[Path]) -> list[str]:
+    """Several `bench_gguf.py` sittings at once: per file, the median over the sittings of
+    each sitting's median ratio (ours over each peer, decode and pp512) and, per sitting,
+    our decode's MB a token and GB/s beside that sitting's plain sum."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    reads: dict[str, list[str]] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        memory = "-"
+        for r in data["rows"]:
+            if r["file"] == "(memory)":
+                memory = _median(r.get("GB/s median (range)"))
+                continue
+            for peer in ("llama.cpp", "ik_llama.cpp"):
+                cell = r.get(f"vs {peer}, median (range)")
+                if cell and r["engine"] in ("compilecore greedy", "compilecore pp512"):
+                    key = ("decode" if "greedy" in r["engine"] else "pp512") + " vs " + peer
+                    cells = ratios.setdefault(r["file"], {})
+                    cells.setdefault(key, []).append(float(_median(cell)))
+            if r["engine"] == "compilecore greedy" and "MB a token" in r:
+                gbs = _median(r.get("GB/s median (range)"))
+                read = f"{r['MB a token']} MB, {gbs} of {memory} GB/s"
+                reads.setdefault(r["file"], []).append(read)
+    keys = [f"{w} vs {p}" for w in ("decode", "pp512") for p in ("llama.cpp", "ik_llama.cpp")]
+    lines = [f"Medians over {len(paths)} sittings: " + ", ".join(p.name for p in paths), "",
+             "| file | " + " | ".join(keys) + " | decode read, each sitting |",
+             "|---|" + "---|" * (len(keys) + 1)]  # fmt: skip
+    for name, cells in ratios.items():
+        values = [statistics.median(cells[k]) if cells.get(k) else None for k in keys]
+        shown = ["-" if v is None else f"{v:.2f}" for v in values]
+        lines.append(f"| {name} | " + " | ".join(shown) + f" | {'; '.join(reads.get(name, []))} |")
+    return lines
+
+
 def newest_gpu_report(results: Path = RESULTS) -> Path | None:
     """The newest device report with a decode-bandwidth row (by the date in its name)."""
     found = [p for p in results.glob("gpu_check_*.md") if "| decode_bandwidth |" in p.read_text()]
@@ -131,7 +167,12 @@ def render(text: str, made: dict[str, str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="update README.md and docs/")
+    parser.add_argument("--sittings", nargs="+", metavar="NAME",
+                        help="print medians over these bench_gguf.py results instead")  # fmt: skip
     args = parser.parse_args()
+    if args.sittings:
+        print("\n".join(sittings_table([RESULTS / f"{n}.json" for n in args.sittings])))
+        return
     made = tables()
     if not args.write:
         for name, text in made.items():

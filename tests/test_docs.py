@@ -4,6 +4,7 @@ test that runs it."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -59,6 +60,25 @@ def test_a_newer_results_file_changes_the_table(tmp_path):
     older.write_text(text.replace("utc 20", "utc 19", 1))
     (tmp_path / "newer.json").write_text(text.replace("utc 20", "utc 21", 1))
     assert report.newest_gguf_peers(tmp_path).name == "newer.json"
+
+
+def test_sittings_take_the_median_of_each_sittings_median(tmp_path):
+    """`report.py --sittings`: per file and peer, the median over sittings of each
+    sitting's median ratio (issue 59's median of medians), not of their ranges."""
+    newest = json.loads(report.newest_gguf_peers().read_text())
+    paths = []
+    for i, ratio in enumerate((1.5, 0.5, 1.2)):
+        rows = [dict(r) for r in newest["rows"]]
+        for r in rows:
+            if r.get("engine") == "compilecore greedy" and "vs ik_llama.cpp, median (range)" in r:
+                r["vs ik_llama.cpp, median (range)"] = f"{ratio} (0.1-9.9)"
+        paths.append(tmp_path / f"s{i}.json")
+        paths[-1].write_text(json.dumps({**newest, "rows": rows}))
+    lines = report.sittings_table(paths)
+    header = [c.strip() for c in lines[2].split("|")]
+    column = header.index("decode vs ik_llama.cpp")
+    files = [line for line in lines[4:] if line.startswith("| ")]
+    assert files and all(line.split("|")[column].strip() == "1.20" for line in files)
 
 
 def test_the_docs_example_is_the_test_that_runs_it():
