@@ -20,7 +20,7 @@ from runtime.executor import LocalExecutor
 from runtime.model_runner import DraftRows, PromptLogprobRows, plan_step
 from runtime.outputs import SPEC_COUNTS, Logprob
 from runtime.request import Request
-from runtime.sampler import NO_TOKEN, Sampler, filter_logits
+from runtime.sampler import NO_TOKEN, Sampler, argmax_rows, filter_logits
 from runtime.scheduler import Scheduler, SchedulerOutput
 from runtime.spec_decode import (
     DraftModelProposer,
@@ -249,7 +249,13 @@ class LLMEngine:
         rejection rule): the accepted drafts and the token after them are appended one by
         one through the stop checks; the computed count steps back over the rejected."""
         req, drafts = rows.request, rows.drafts
-        if req.sampling_params.greedy:  # degenerate rows: the sampler's own rule per row
+        if req.grammar is not None:  # row i: the tokens allowed after d1..di
+            logits = logits.float().clone()
+            req.grammar.mask_rows(logits, drafts)
+        if req.sampling_params.greedy and req.grammar is not None:
+            targets = argmax_rows(logits.cpu().numpy())  # the sampler would mask row 0's way
+            accepted = accepted_length(targets, drafts)
+        elif req.sampling_params.greedy:  # degenerate rows: the sampler's own rule per row
             targets = self.sampler(logits, [req] * len(logits), self.eos_token_ids).token_ids
             accepted = accepted_length(targets, drafts)
         elif not _drawable(logits):  # row 0 as a plain step treats it; no draft kept
@@ -270,7 +276,13 @@ class LLMEngine:
                 self._finish(req, "error")
                 return [req]
             req.append_token(token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                self._finish(req, "error")  # cannot happen: each row's mask allowed only these
+                return [req]
             if self._check_stop(req, token):
+                return [req]
+            if req.grammar is not None and req.grammar.complete:
+                self._finish(req, "stop")
                 return [req]
         return []
 

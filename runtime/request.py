@@ -72,6 +72,13 @@ class Request:
         # The sampler's short paths: nothing changes the logits and no logprobs; greedy.
         self.plain = not (p.has_logits_processing or p.min_tokens) and p.logprobs is None
         self.plain_greedy = p.greedy and self.plain
+        # Speculation's requests (runtime/spec_decode.py): plain, or plain but for a grammar,
+        # whose masks a verification's rows take one by one.
+        self.plain_but_grammar = (
+            p.structured_outputs is not None
+            and not (p.has_token_processing or p.min_tokens)
+            and p.logprobs is None
+        )
         # Uniform draws from this request's generator, made in batches by the sampler and
         # taken from the end, one a sampled token.
         self.uniforms: list[float] = []

@@ -182,9 +182,13 @@ class SamplingParams:
     def has_logits_processing(self) -> bool:
         """Whether the logits of this request change before sampling (besides min_tokens,
         which the sampler checks per step)."""
+        return bool(self.structured_outputs) or self.has_token_processing
+
+    @property
+    def has_token_processing(self) -> bool:
+        """Whether the logits change by anything but a structured output's grammar."""
         return bool(
-            self.structured_outputs
-            or self.allowed_token_ids
+            self.allowed_token_ids
             or self.bad_words
             or self.logit_bias
             or self.repetition_penalty != 1.0

@@ -21,8 +21,10 @@ step (attention never reads a position past a query's own), and the request's co
 count steps back over them. Sampled requests keep draft i with the probability their own
 filtered distribution at row i gives it, and draw the first refused one again without it
 (`sample_verified`): every emitted token has the distribution one-at-a-time sampling
-gives it, from the request's own seeded draws. Only requests without logprobs, logits
-processing or a grammar speculate; the others in the same step decode as usual.
+gives it, from the request's own seeded draws. Requests with logprobs or logits processing
+other than a grammar do not speculate; the others in the same step decode as usual. Under
+a grammar the drafts stop before the first token it refuses, and row i of a verification
+is masked by the grammar's state after d1..di before it is read.
 
 Never slower: a verification step costs more than a decode step (on this CPU 2.2-2.5 for
 4 tokens; on a GPU a few percent), so it pays only where it emits at least
@@ -110,6 +112,11 @@ def accepted_length(targets: list[int], drafts: list[int]) -> int:
     return n
 
 
+def _allowed(req: Request, drafts: list[int]) -> list[int]:
+    """The drafts a request's grammar allows (all where it has none)."""
+    return drafts if req.grammar is None or not drafts else req.grammar.allowed_prefix(drafts)
+
+
 class Proposer:
     """Drafts for each decoding request, and when to stop proposing: speculation pays
     while a request's verifications emit more tokens than a verification step costs in
@@ -143,6 +150,7 @@ class Proposer:
             self._judge(state, accepted)
             state.shadow = []
         drafts = ngram_proposal(req.all_token_ids, limit, c.prompt_lookup_min, c.prompt_lookup_max)
+        drafts = _allowed(req, drafts)
         if drafts and not self.pays(state):
             state.shadow, state.shadow_at = drafts, req.num_tokens
             return []
@@ -166,8 +174,9 @@ class Proposer:
     @staticmethod
     def eligible(req: Request) -> bool:
         return (
-            req.plain  # greedy, or sampled from temperature / top-k / top-p / min-p alone
-            and req.grammar is None
+            # greedy, or sampled from temperature / top-k / top-p / min-p alone, or either
+            # under a grammar (its drafts cut where it refuses one: `_allowed`)
+            (req.plain or req.plain_but_grammar)
             and req.sampling_params.prompt_logprobs is None
             and req.num_pending == 0
             and req.num_computed_tokens == req.num_tokens - 1
@@ -226,5 +235,5 @@ class DraftModelProposer(Proposer):
         while self.draft.has_unfinished_requests():
             self.draft.step()
         for req, drafting in asked:
-            req.spec.drafts = list(drafting.output_token_ids)
+            req.spec.drafts = _allowed(req, list(drafting.output_token_ids))
             self.draft.release(drafting.request_id)

@@ -6,7 +6,9 @@ bitmask of the tokens that may come next masks the request's row (`-inf` elsewhe
 in `runtime.sampler.process_logits` on the copy of the logits every processed row gets
 (so logprobs stay those of the raw distribution, and unconstrained rows of the same
 batch keep the compiled step's fast path). After the step, the sampled token advances
-the matcher; once the grammar is complete, the request stops.
+the matcher; once the grammar is complete, the request stops. Speculation (runtime/
+spec_decode.py): drafts are cut at the first token the grammar refuses, and each of a
+verification's rows is masked by the grammar's state after the drafts before it.
 
 Grammars compile once per (kind, spec) and engine: a schema that does not compile is a
 ValueError before the request is queued (a 400 through the server).
@@ -131,6 +133,7 @@ class GrammarState:
     def __init__(self, xgr: Any, compiled: Any, vocab_size: int):
         self._xgr = xgr
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, row: torch.Tensor) -> None:
@@ -138,6 +141,34 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(self.bitmask, 0)
         bitmask = self.bitmask.to(row.device, non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(row[None], bitmask)
+
+    def allowed_prefix(self, drafts: list[int]) -> list[int]:
+        """The drafts up to the first the grammar refuses (or that would end it: a row
+        after the grammar's end has no mask), the matcher left where it was."""
+        n = 0
+        for token in drafts:
+            if not self.matcher.accept_token(token):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                n -= 1
+                self.matcher.rollback(1)
+                break
+        if n:
+            self.matcher.rollback(n)
+        return drafts[:n]
+
+    def mask_rows(self, rows: torch.Tensor, drafts: list[int]) -> None:
+        """-inf on the tokens of each of a verification's rows (len(drafts) + 1, in place)
+        that the grammar does not allow after the drafts before it (`allowed_prefix`'s)."""
+        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        for i in range(len(rows)):
+            self.matcher.fill_next_token_bitmask(bitmask, i)
+            if i < len(drafts):
+                self.matcher.accept_token(drafts[i])
+        if drafts:
+            self.matcher.rollback(len(drafts))
+        self._xgr.apply_token_bitmask_inplace(rows, bitmask.to(rows.device, non_blocking=True))
 
     def accept(self, token: int) -> bool:
         """Advances past `token`; False where the grammar does not allow it."""

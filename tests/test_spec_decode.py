@@ -176,6 +176,74 @@ def test_greedy_tokens_equal_without_speculation(engines, batch):
     assert drafted[watching] < drafted[spec]
 
 
+REGEX = "(ab|cd|ef| )+"
+
+
+@pytest.mark.slow
+def test_structured_outputs_speculate_and_keep_their_tokens(engines):
+    """A request under a grammar speculates: its drafts stop before the first token the
+    grammar refuses, and each verification row is masked by the grammar's state after the
+    drafts before it, so greedy tokens equal plain decoding's (the grammar's own masks,
+    one token a step) and every output keeps to the grammar; sampled ones too."""
+    import re
+
+    from runtime.structured_output import StructuredOutputsParams
+
+    spec, plain, _ = engines
+    grammar = StructuredOutputsParams(regex=REGEX)
+    prompts = ["ab cd ab cd ab", "ef ef ab ab ef ef", "cd ab ef cd ab ef", "x y z"]
+    prefix = "((ab|cd|ef| )*)(a|c|e)?"  # where a request stopped at max_tokens
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=4, max_tokens=24,
+                                structured_outputs=grammar)  # fmt: skip
+        got = spec.generate(prompts, params, use_tqdm=False)
+        for out in got:
+            o = out.outputs[0]
+            assert re.fullmatch(REGEX if o.finish_reason == "stop" else prefix, o.text), o.text
+        if temperature == 0.0:
+            want = plain.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+            assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    assert all_blocks_free(spec)
+
+
+def test_a_grammars_verification_rows_take_its_state_after_each_draft(engines):
+    """`GrammarState.mask_rows`: row i's mask is the grammar's after drafts[:i] (another
+    matcher advanced token by token), and the matcher is left where it was; drafts are cut
+    before the first token the grammar refuses (`allowed_prefix`)."""
+    from runtime.structured_output import StructuredOutputsParams
+
+    engine = engines[0].llm_engine
+    grammar = StructuredOutputsParams(regex=REGEX)
+    state, other = engine.grammars().matcher(grammar), engine.grammars().matcher(grammar)
+    tokenizer = engine.tokenizer
+    drafts = tokenizer.encode("ab cd", add_special_tokens=False)
+    refused = tokenizer.encode("xy", add_special_tokens=False)
+    assert state.allowed_prefix(drafts + refused + drafts) == drafts
+    vocab = state.vocab_size
+    rows = torch.zeros(len(drafts) + 1, vocab)
+    state.mask_rows(rows, drafts)
+    for i in range(len(drafts) + 1):
+        want = torch.zeros(vocab)
+        other.mask(want)
+        assert torch.equal(rows[i] == float("-inf"), want == float("-inf")), i
+        if i < len(drafts):
+            assert other.accept(drafts[i])
+    again = torch.zeros(vocab)
+    state.mask(again)
+    assert torch.equal(again, rows[0])  # rolled back
+    # the proposer's lookups under a grammar: cut before the refused token
+    params = SamplingParams(temperature=0, max_tokens=50, structured_outputs=grammar)
+    req = Request("g", drafts + refused + drafts, params)
+    req.grammar = engine.grammars().matcher(grammar)
+    _emit(req)
+    always = Proposer(SpeculativeConfig(**VERIFY_ALL), 96)
+    assert ngram_proposal(req.all_token_ids, 3, 1, 3)[: len(refused)] == refused
+    assert always.propose(req) == []  # the lookup's first token is refused
+    with_logit_bias = SamplingParams(temperature=0, structured_outputs=grammar, logit_bias={5: 1.0})
+    assert not Request("b", [1], with_logit_bias).plain_but_grammar
+
+
 @pytest.mark.slow
 def test_verifications_replay_the_decode_graphs(tiny_llama, tmp_path_factory):
     """A step of verifications (every row a logits row) runs as decodes, a sequence a
