@@ -14,18 +14,24 @@ quotes) and a free one. Per round and configuration, a fresh
 request (prefix caching off: each round computes its whole prompt) is decoded greedily.
 Prints tok/s medians and ranges, each configuration over plain decoding in the same
 round, the acceptance, a verification step's time in plain decode steps (medians), and
-whether the tokens equal plain decoding's.
+whether the tokens equal plain decoding's. On a GGUF file, llama.cpp's own n-gram lookup
+(`llama-lookup`, setup_peers.sh) on the same file and templated prompt, each k, in the same
+rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import peers  # noqa: E402
 from common import machine  # noqa: E402
 
 from runtime import LLM, SamplingParams  # noqa: E402
@@ -65,6 +71,26 @@ def run(llm: LLM, prompt: str, tokens: int) -> tuple[float, list[int], object]:
     return len(out.outputs[0].token_ids) / seconds, out.outputs[0].token_ids, out.metrics
 
 
+def llama_lookup(path: str, prompt: str, tokens: int, k: int) -> tuple[float, float]:
+    """llama.cpp's n-gram lookup decoding (`llama-lookup`: greedy, EOS ignored, 2 threads)
+    of `tokens` after the templated `prompt` on the same GGUF file: (tok/s over its prompt
+    and decode, as ours is timed; the share of drafts accepted)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt)
+        f.flush()
+        cmd = [str(peers.llama_tool("llama-lookup")), "-m", path, "-f", f.name, "-n",
+               str(tokens), "--temp", "0", "-t", "2", "--spec-draft-n-max", str(k),
+               "--ignore-eos"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    text = out.stdout + out.stderr
+    timed = re.findall(r"(en|de)coded\s+(\d+) tokens in\s+([\d.]+) seconds", text)
+    accept = re.search(r"accept\s+=\s+([\d.]+)%", text)
+    if len(timed) != 2 or accept is None:
+        raise RuntimeError(f"llama-lookup gave no timings (exit {out.returncode}):\n{text[-2000:]}")
+    decoded = int(next(n for kind, n, _ in timed if kind == "de"))
+    return decoded / sum(float(t) for _, _, t in timed), float(accept[1]) / 100
+
+
 def _time_steps(llm: LLM) -> None:
     """Record each decode-only step's milliseconds in `llm.step_ms`, split by whether it
     verified drafts: the cost a verification has in plain steps."""
@@ -82,7 +108,7 @@ def _time_steps(llm: LLM) -> None:
     engine._run = timed
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="default: the embedded default model")
     ap.add_argument("--rounds", type=int, default=3)
@@ -90,9 +116,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5])
     ap.add_argument("--draft", default=None, help="a draft model's path (GGUF or folder)")
     ap.add_argument("--draft-only", action="store_true", help="no n-gram configurations")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="no llama-lookup rows")
     ap.add_argument("--floor", type=float, default=None,
                     help="min_tokens_per_verification (default: the engine's)")  # fmt: skip
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     configs = {"plain": None}
     for k in args.k:
         if not args.draft_only:
@@ -121,8 +148,17 @@ def main() -> None:
             run(llm, f"(warm-up) {text}", args.tokens)
     for llm in llms.values():
         llm.step_ms = {False: [], True: []}
+    # llama.cpp's lookup on the same file and templated prompt, where the model is a GGUF
+    # file and setup_peers.sh built the tool.
+    path = str(llms["plain"].engine_config.model_config.model)
+    lookup = not args.no_llama_cpp and path.endswith(".gguf") and not args.draft_only
+    if lookup and peers.llama_tool("llama-lookup") is None:
+        peers.report_missing(["llama-lookup"])
+        lookup = False
     for label, text in workloads:
         speeds = {name: [] for name in llms}
+        theirs: dict[int, list[float]] = {}
+        theirs_rate: dict[int, float] = {}
         ratios = {name: [] for name in llms}
         same, accept = {name: True for name in llms}, {}
         for r in range(args.rounds):
@@ -137,6 +173,13 @@ def main() -> None:
                 ratios[name].append(speed / plain_speed)
                 same[name] &= tokens == plain_tokens
                 accept[name] = (m.acceptance_rate, m.mean_acceptance_length)
+            for k in args.k if lookup else ():
+                chat = [{"role": "user", "content": prompt}]
+                templated = llms["plain"].get_tokenizer().apply_chat_template(
+                    chat, tokenize=False, add_generation_prompt=True)  # fmt: skip
+                speed, rate = llama_lookup(path, templated, args.tokens, k)
+                theirs.setdefault(k, []).append(speed)
+                theirs_rate[k] = rate
         for name in llms:
             s = speeds[name]
             line = f"{label:8s} {name:10s} {statistics.median(s):6.1f} tok/s "
@@ -154,6 +197,11 @@ def main() -> None:
                          f"  accepted {rate or 0:.0%}, {length or 1:.2f} tokens/step"
                          f"  tokens equal: {same[name]}")  # fmt: skip
             print(line, flush=True)
+        for k, t in theirs.items():
+            ours = statistics.median(speeds[f"ngram k={k}"])
+            print(f"{label:8s} {'llama-lookup k=' + str(k):10s} {statistics.median(t):6.1f} tok/s "
+                  f"({min(t):.1f}-{max(t):.1f})  accepted {theirs_rate[k]:.0%}; ngram k={k} "
+                  f"over it {ours / statistics.median(t):.2f}x", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

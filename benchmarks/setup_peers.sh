@@ -32,7 +32,7 @@ if [ ! -d "$src" ]; then
     tar xzf "$peers/llama_cpp_python-$version.tar.gz" -C "$peers"
 fi
 
-tools="llama-batched-bench llama-bench llama-server llama-perplexity llama-quantize"
+tools="llama-batched-bench llama-bench llama-server llama-perplexity llama-quantize llama-lookup"
 build_llama_cpp() {  # extra compiler flags as the one argument
     cmake -S "$src/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release \
         -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,6 +153,20 @@ def test_serve_smoke_reports_missing_peers(tiny_llama, tmp_path, capsys):
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert all(r["output_tok_s"] > 0 and r["ttft_p50_ms"] > 0 for r in rows)
     assert "not measured, missing" in capsys.readouterr().out  # no GGUF for a tiny model
+
+
+@pytest.mark.slow
+def test_spec_smoke(tiny_llama, capsys):
+    """bench_spec.py's rounds on a tiny model: every workload's plain and n-gram rows, the
+    tokens compared with plain decoding's (an fp32 model: equal); no llama-lookup rows for a
+    model that is not a GGUF file."""
+    _load("bench_spec").main(["--model", str(tiny_llama[0]), "--rounds", "1", "--tokens", "8",
+                              "--k", "2"])  # fmt: skip
+    out = capsys.readouterr().out
+    for label in ("code", "grounded", "free"):
+        assert re.search(rf"^{label}\s+plain\s+[\d.]+ tok/s", out, re.M), out
+        assert re.search(rf"^{label}\s+ngram k=2 .* tokens equal: True", out, re.M), out
+    assert "llama-lookup" not in out
 
 
 def test_aot_compile_compare_smoke():
