@@ -497,10 +497,11 @@ def test_dense_copies_multiply_the_dequantized_weight_slice_by_slice(
     not (packed_linear.has_amx() and quantized.kernel_path() == "bf16"), reason="needs AMX"
 )
 def test_q8_products_of_many_rows_take_the_dense_copy_on_amx():
-    """With AMX, from `AMX_DENSE_ROWS` bf16 rows q8's products leave the strips for
-    oneDNN's tiles on a dense copy (benchmarks/ab_dense_copy.py): rounded to bf16 where
-    `int8_x` allows an approximation (its error bounded above), split [hi | lo] where the
-    product is exact; one row fewer stays on the kernel (the CPU graphs' sizes)."""
+    """With AMX, from `AMX_DENSE_ROWS` bf16 rows q8's products on int8 activations leave
+    the strips for oneDNN's tiles on the copy rounded to bf16 (benchmarks/ab_dense_copy.py;
+    its error bounded above); one row fewer stays on the kernel (the CPU graphs' sizes).
+    Exact products stay on the kernel at every row count: `int8_activations=False` means
+    exact, and the split copy holds Q8_0's values to 16 bits only."""
     g = torch.Generator().manual_seed(3)
     fields = _q8_fields(g, 64, 576)
     rows = quantized.AMX_DENSE_ROWS
@@ -508,11 +509,15 @@ def test_q8_products_of_many_rows_take_the_dense_copy_on_amx():
     y = x.new_empty(rows, 64)
     assert quantized._q8_call((x[:-1], *fields, None, None, True), y[:-1]) is not None
     assert quantized._q8_call((x, *fields, None, None, True), y) is None
-    for int8_x in (True, False):
-        got = quantized.q8_linear(x, *fields, None, None, int8_x)
-        want = quantized.dense_from_blocks(x, fields[0], fields[1:], None, None,
-                                           torch.bfloat16, not int8_x)  # fmt: skip
-        assert torch.equal(got, want)
+    got = quantized.q8_linear(x, *fields, None, None, True)
+    want = quantized.dense_from_blocks(x, fields[0], fields[1:], None, None, torch.bfloat16)
+    assert torch.equal(got, want)
+    exact = quantized._q8_call((x, *fields, None, None, False), y)
+    assert exact is not None
+    exact.run()
+    assert torch.equal(quantized.q8_linear(x, *fields, None, None, False), y)
+    want = x.double() @ quantized.dequantize_q8_ref(*fields, torch.float64).T
+    assert bool(((y.double() - want).abs() <= want.abs() * 2**-8 + 1e-6).all())
 
 
 def _cpu_flags() -> set[str]:
@@ -937,8 +942,8 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
                          "embed_tokens": Q.IQ4_XS}  # fmt: skip
                 oracle = write_gguf(tmp_path / "q.gguf", hf, types, Q.Q5_K)
         prompts = [[5 + i, 17, 33, 2 * i] for i in range(8)] + [[40, 41, 42, 43, 44, 45, 46]]
-        # a step of 128 tokens and more: q8's dense copy on AMX (AMX_DENSE_ROWS); a prompt
-        # whose greedy tokens have no near tie within 0.05 (eager and compiled round apart)
+        # a step of 128 tokens and more: q8's dense copy on AMX (AMX_DENSE_ROWS), its first
+        # 11 greedy tokens without a near tie within 0.05
         prompts += [[(7 * i + 5) % 97 + 3 for i in range(120)]] * (layers == "q8_0")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = []
@@ -956,7 +961,11 @@ def test_gguf_compiled_greedy_equals_eager(tiny_gguf, tiny_llama, tokenizer_dir,
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
                                                                    use_tqdm=False)])  # fmt: skip
         del llm
-    assert outs[0] == outs[1]
+    # eager against compiled token for token but on the long prompt, which (a near tie at its
+    # last token: eager's bf16 weights and the compiled products round apart) is held to HF
+    # up to its first near tie below
+    short = len(prompts) - (layers == "q8_0")
+    assert outs[0][:short] == outs[1][:short]
     if layers != "q4_1":
         wanted = [hf_greedy_checked(oracle, p, 12, 0.02) for p in prompts]
         assert sum(checked for _, checked in wanted) >= 40, "near ties too early"

@@ -70,8 +70,10 @@ RUN = 32  # values per nibble run of q4 (the group size is a multiple of it)
 # take team calls only.
 MAX_KERNEL_ROWS = MappingProxyType({4: 32, 8: 128})
 BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
-# With AMX, oneDNN's bf16 tiles on the dense copy (`dense_from_blocks`) beat q8's strips from
-# 128 rows: 1.1-1.4x there, 2.4-3.1x at 512 (benchmarks/ab_dense_copy.py); 0.7-0.94x at 64.
+# With AMX, oneDNN's bf16 tiles on the copy rounded to bf16 (`dense_from_blocks`) beat q8's
+# strips on int8 activations from 128 rows: 1.1-1.4x there, 2.4-3.1x at 512, 0.7-0.94x at 64
+# (benchmarks/ab_dense_copy.py). Exact products keep the strips: `int8_activations=False`
+# means exact on every CPU (the split copy, 1.6-2.2x faster, is 16 bits of Q8_0's 19).
 AMX_DENSE_ROWS = 128
 # The fp32 path (AVX2 + FMA): q8's row products lose to MKL's fp32 GEMM on the dequantized
 # weight from 32-64 rows (1536x576: 0.68x at 64 rows, 0.57x at 128), q4's break even at 64.
@@ -291,10 +293,10 @@ def _invariant_dense(x: torch.Tensor, bits: int, scales: torch.Tensor) -> bool:
     )
 
 
-def _few_enough_rows(x: torch.Tensor, bits: int, group: int) -> bool:
+def _few_enough_rows(x: torch.Tensor, bits: int, group: int, int8_x: bool) -> bool:
     exact = x.dtype == torch.bfloat16 and _bf16_path(bits, x.shape[-1], group)
     limit = BF16_ROWS[bits] if exact else MAX_KERNEL_ROWS[bits]
-    if exact and bits == 8 and has_amx():
+    if exact and bits == 8 and int8_x and has_amx():  # exact products keep the strips
         limit = AMX_DENSE_ROWS - 1
     if kernel_path() == "fp32":
         limit = FP32_ROWS[bits]
@@ -314,7 +316,7 @@ def _product_call(
     if (
         x.dim() != 2
         or x.shape[-1] % groups
-        or not (invariant or _few_enough_rows(x, bits, x.shape[-1] // groups))
+        or not (invariant or _few_enough_rows(x, bits, x.shape[-1] // groups, bool(int8_x)))
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)
@@ -438,9 +440,9 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=F
 def q8_dense_product(x, w, scales, bias=None, out_dtype=None, int8_x=False):
     """Beyond the kernel's rows: a dense GEMM on a dequantized copy; bf16 multiplies
     [x | x] by the split [hi | lo] copy (Q8_0's values do not fit bf16: 19 bits), or with
-    `int8_x` on AMX by the copy rounded to bf16 (the approximation `int8_x` allows, whose
-    error is below int8 activations': tests/test_quantized.py bounds both); fp32 where the
-    CPU has no bf16 GEMM (`bf16_gemm_is_native`)."""
+    `int8_x` on AMX (from AMX_DENSE_ROWS) by the copy rounded to bf16 (the approximation
+    `int8_x` allows, whose error is below int8 activations': tests/test_quantized.py bounds
+    both); fp32 where the CPU has no bf16 GEMM (`bf16_gemm_is_native`)."""
     dtype = _dense_dtype(x, out_dtype)
     if x.dim() == 2:
         split = dtype == torch.bfloat16 and not (int8_x and has_amx())
@@ -460,14 +462,16 @@ def dense_from_blocks(x, w, fields, bias, out_dtype, dtype, split=False):
     k = q4_columns(w, fields[0]) if q4 else q8_columns(w, fields[0])
     width = 2 * k if split else k
     slices = row_slices(w.shape[0], width * dtype.itemsize)
-    x = torch.cat([x, x], 1) if split else x
+    out_dtype = out_dtype or x.dtype
+    x = (torch.cat([x, x], 1) if split else x).to(dtype)  # once, not a slice at a time
+    bias = None if bias is None else bias.to(dtype)
     if len(slices) > 1:
-        y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
+        y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
     for a, b in slices:
         part = _dequantize_native(w[a:b], tuple(f[a:b] for f in fields), dtype, split, True)
         if part is None:
             return None
-        out = _dense_product(x, part, None if bias is None else bias[a:b], out_dtype)
+        out = _product_ref(x, part, None if bias is None else bias[a:b], out_dtype)
         if len(slices) == 1:
             return out
         y[:, a:b] = out
