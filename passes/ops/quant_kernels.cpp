@@ -40,9 +40,11 @@
 //   quant/rows_bf16.h        the exact bf16 row products (q4, Q6_K, q8)
 //   quant/strips_bf16.h      16 weight rows at a time for many rows of x (exact bf16)
 //   quant/int8_bf16_vnni.h   int8 activations beside bf16: Q8_0's strips, K-quant rows
+//   quant/tiles_amx.h        q4's exact products on AMX tiles for 3-64 rows of x
 //   quant/dequantize.h       dense copies of the blocks, for a prefill's GEMM
 #include "cc_common.h"
 
+#include <algorithm>
 #include <type_traits>
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -61,6 +63,7 @@ namespace {
 #include "quant/rows_bf16.h"
 #include "quant/strips_bf16.h"
 #include "quant/int8_bf16_vnni.h"
+#include "quant/tiles_amx.h"
 #ifndef CC_INT8_STRIPS
 #define CC_INT8_STRIPS 0
 #endif
@@ -148,6 +151,23 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool iq4 = !Q4 && !Compact && (flags & 256);
   const int64_t bf = flags & 1;
   Path path = choose(Q4, bf, K, g, (flags & 32) && !five);
+#if CC_AMX_TILES
+  // Q4_0 / Q4_1 (groups of 32, fp16 scales) from AMX_ROWS_MIN rows: tiles_amx.h. Not in
+  // batch-invariant mode (flags bit 7), whose rows must take the row products at any count.
+  // Q8_0's the same where its products are exact: at any row count where int8 activations
+  // are not allowed, else between their integer row products (1-2 rows) and their strips
+  // (from TILED_ROWS_Q8, 1.1-1.25x the tiles there: docs/kernel-choices.md, AMX tiles).
+  if constexpr (!Compact && std::is_same_v<S, f16>) {
+    const bool q8_exact = !Q4 && !(flags & 256) && (!(flags & 32) || M < TILED_ROWS_Q8);
+    if (path == Path::bf16 && g == 32 && (Q4 ? mins != nullptr : q8_exact) &&
+        !(flags & (128 | 64)) && M >= AMX_ROWS_MIN && M <= AMX_ROWS_MAX && N % 16 == 0 &&
+        amx_ready())
+      return tiles_team<Q4>(static_cast<const bf16*>(x), w, scales, mins, M, N, K,
+                            [&](int64_t n, int64_t m0, int64_t mb, const float* out) {
+                              store(y, flags, bias, N, n, m0, mb, out);
+                            });
+  }
+#endif
   // Q6_K's packed rows (compact scales, K whole super-blocks): the bf16 row product reads
   // them in place, with x reordered and summed per 16 as q4's; other paths unpack a row
   // (or a strip's 16) to int8 first.
@@ -514,7 +534,17 @@ inline void with_scales(int64_t flags, const void* scales, const void* mins, F&&
 
 extern "C" {
 
-int64_t quant_kernels_available() { return 1; }  // a portable loop where AVX-512 is missing
+int64_t quant_kernels_available() { return 1; }
+
+// 1 where q4's and exact Q8_0's products of AMX_ROWS_MIN-AMX_ROWS_MAX rows take AMX tiles
+// (tiles_amx.h).
+int64_t q4_tiles_available() {
+#if CC_AMX_TILES
+  return amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
+}  // a portable loop where AVX-512 is missing
 
 // 0: the portable loop; 1: fp32 (AVX-512, or AVX2 + FMA); 2: bf16 activations on the integer path
 // (int8 activations, VNNI); 3: bf16 activations on the exact bf16 path (AVX512-BF16).
