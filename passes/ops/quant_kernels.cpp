@@ -157,15 +157,17 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // Q8_0's the same where its products are exact: at any row count where int8 activations
   // are not allowed, else between their integer row products (1-2 rows) and their strips
   // (from TILED_ROWS_Q8, 1.1-1.25x the tiles there: docs/kernel-choices.md, AMX tiles).
-  if constexpr (!Compact && std::is_same_v<S, f16>) {
+  // Q4_K's (compact scales) where its products are exact, and above AMX_INT8_ROWS_Q4K rows
+  // where int8 activations are allowed (their row products are faster below).
+  if constexpr ((Q4 && Compact) || (!Compact && std::is_same_v<S, f16>)) {
     const bool q8_exact = !Q4 && !(flags & 256) && (!(flags & 32) || M < TILED_ROWS_Q8);
-    if (path == Path::bf16 && g == 32 && (Q4 ? mins != nullptr : q8_exact) &&
-        !(flags & (128 | 64)) && M >= AMX_ROWS_MIN && M <= AMX_ROWS_MAX && N % 16 == 0 &&
-        amx_ready())
-      return tiles_team<Q4>(static_cast<const bf16*>(x), w, scales, mins, M, N, K,
-                            [&](int64_t n, int64_t m0, int64_t mb, const float* out) {
-                              store(y, flags, bias, N, n, m0, mb, out);
-                            });
+    const bool q4_ok = Q4 && mins && (!Compact || !(flags & 32) || M > AMX_INT8_ROWS_Q4K);
+    if (path == Path::bf16 && g == 32 && (Q4 ? q4_ok : q8_exact) && !(flags & (128 | 64)) &&
+        M >= AMX_ROWS_MIN && M <= AMX_ROWS_MAX && N % 16 == 0 && amx_ready())
+      return tiles_team<Q4, S, Compact>(static_cast<const bf16*>(x), w, scales, mins, M, N, K,
+                                        [&](int64_t n, int64_t m0, int64_t mb, const float* out) {
+                                          store(y, flags, bias, N, n, m0, mb, out);
+                                        });
   }
 #endif
   // Q6_K's packed rows (compact scales, K whole super-blocks): the bf16 row product reads

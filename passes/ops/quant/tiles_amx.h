@@ -20,10 +20,14 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-// Rows of x the tiles take (q4 and Q8_0: groups of 32, fp16 scales): below 3 the row
+// Rows of x the tiles take (Q4_0, Q4_1, Q8_0: groups of 32, fp16 scales; Q4_K): below 3 the row
 // products are as fast (memory-bound); above 64 the dense copy's GEMM
 // (passes/ops/quantized.py).
 constexpr int64_t AMX_ROWS_MIN = 3, AMX_ROWS_MAX = 64;
+// Q4_K's row products on int8 activations (where allowed) are as fast as the tiles up to
+// this many rows (1.7B's shapes: 1.03x / 1.04x / 1.05x the tiles at 3 / 4 / 5 rows, 0.89x
+// at 6): they keep them.
+constexpr int64_t AMX_INT8_ROWS_Q4K = 5;
 
 // Linux hands AMX's tile state to a process only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN makes the same request.
@@ -140,11 +144,32 @@ inline void unpack_pair_q8(const int8_t* w, int64_t K, int64_t n0, int64_t r, bf
   }
 }
 
+// Q4_K's compact scales (or mins) of weight rows [n0, n0 + 16) as fp32 [runs, 16]: super x
+// sub, exact in fp32 (quant/formats.h `CompactPtr`).
+inline void compact_scales(const float* base, int64_t runs, int64_t n0, float* out) {
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(16));
+  for (int n = 0; n < 16; ++n) {
+    const CompactPtr<true> row = fields_at<true, true>(base, runs, n0 + n, base);
+    for (int64_t r0 = 0; r0 < runs; r0 += 16) {
+      const __mmask16 live = runs - r0 < 16 ? __mmask16((1u << (runs - r0)) - 1) : 0xffff;
+      _mm512_mask_i32scatter_ps(out + r0 * 16 + n, live, column, scales16(row + r0, live), 4);
+    }
+  }
+}
+
+inline __m512 load16(const f16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
 // One 16-row group of w against rows [m0, m0 + MP) of x (as `tile_rows` laid them): out
-// [16, MP] fp32. `d`, `mn`: the group's scales as [runs, 16] fp16 (`transpose_scales`).
-template <bool Q4, int MP>
+// [16, MP] fp32. `d16`, `mn16`: the group's scales and mins as [runs, 16] (fp16 from
+// `transpose_scales`, fp32 from `compact_scales`).
+template <bool Q4, int MP, typename T>
 inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
-                        const float* sums, const f16* d16, const f16* mn16, bf16* a, float* c,
+                        const float* sums, const T* d16, const T* mn16, bf16* a, float* c,
                         float* out) {
   const int64_t runs = K / 32;
   __m512 acc[MP];
@@ -171,13 +196,10 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
     _tile_stored(0, c, MP * 4);
     _tile_stored(1, c + 16 * MP, MP * 4);
     for (int h = 0; h < 2; ++h) {
-      const __m512 d = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d16 + (r + h) * 16)));
+      const __m512 d = load16(d16 + (r + h) * 16);
       if constexpr (Q4) {
-        const __m512 m_eff = _mm512_fnmadd_ps(
-            d, _mm512_set1_ps(128.f),
-            _mm512_cvtph_ps(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn16 + (r + h) * 16))));
+        const __m512 m_eff =
+            _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), load16(mn16 + (r + h) * 16));
         const __m512 s = _mm512_loadu_ps(sums + (r + h) * 16);
         for (int z = 0; z < MP; ++z) {
           const __m512 dz = MP == 1 ? d : _mm512_permutexvar_ps(lane_row[z], d);
@@ -200,24 +222,25 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
 // fp16 scales and mins) or Q8_0 [N, K] (fp16 scales; `mn` unused), N % 16 == 0,
 // K % 64 == 0, M <= AMX_ROWS_MAX. Each thread lays out x itself (no barrier) and takes a
 // contiguous share of the 16-row groups.
-template <bool Q4, typename Store>
-inline void tiles_team(const bf16* x, const void* w, const f16* s, const f16* mn, int64_t M,
+template <bool Q4, typename S, bool Compact, typename Store>
+inline void tiles_team(const bf16* x, const void* w, const S* s, const S* mn, int64_t M,
                        int64_t N, int64_t K, Store store_row) {
+  using T = std::conditional_t<Compact, float, f16>;  // the scales as the epilogue reads them
   const int64_t runs = K / 32, groups = N / 16;
   const int mp = M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : M <= 8 ? 8 : 16;
   const int64_t tiles = (M + mp - 1) / mp;
   // per tile of x rows: B and sums; then the scales, A's two buffers, C, out
   const int64_t tile_floats = runs * 16 * mp + runs * 16;
-  float* buf = scratch(tiles * tile_floats + runs * 16 + 2048 + 512 + 256 + 64);
+  float* buf = scratch(tiles * tile_floats + 2 * runs * 16 + 2048 + 512 + 256 + 64);
   float* base =
       reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf) + 63) & ~uintptr_t(63));
   for (int64_t t = 0; t < tiles; ++t) {
     float* at = base + t * tile_floats;
     tile_rows(x, M, K, t * mp, mp, reinterpret_cast<bf16*>(at), at + runs * 16 * mp, Q4);
   }
-  f16* d16 = reinterpret_cast<f16*>(base + tiles * tile_floats);
-  f16* mn16 = d16 + runs * 16;
-  bf16* a = reinterpret_cast<bf16*>(base + tiles * tile_floats + runs * 16);
+  T* d16 = reinterpret_cast<T*>(base + tiles * tile_floats);
+  T* mn16 = d16 + runs * 16;
+  bf16* a = reinterpret_cast<bf16*>(base + tiles * tile_floats + 2 * runs * 16);
   float* c = reinterpret_cast<float*>(a + 2048);
   float* out = c + 512;
   const int threads = omp_get_num_threads(), me = omp_get_thread_num();
@@ -227,18 +250,23 @@ inline void tiles_team(const bf16* x, const void* w, const f16* s, const f16* mn
   configure_tiles(mp);
   for (int64_t group = first; group < last; ++group) {
     const int64_t n0 = group * 16;
-    transpose_scales(s + n0 * runs, runs, d16);
-    if (Q4) transpose_scales(mn + n0 * runs, runs, mn16);
+    if constexpr (Compact) {
+      compact_scales(s, runs, n0, d16);
+      compact_scales(mn, runs, n0, mn16);
+    } else {
+      transpose_scales(s + n0 * runs, runs, d16);
+      if (Q4) transpose_scales(mn + n0 * runs, runs, mn16);
+    }
     for (int64_t t = 0; t < tiles; ++t) {
       const float* at = base + t * tile_floats;
       const bf16* b = reinterpret_cast<const bf16*>(at);
       const float* sums = at + runs * 16 * mp;
       switch (mp) {
-        case 1: tiles_group<Q4, 1>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
-        case 2: tiles_group<Q4, 2>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
-        case 4: tiles_group<Q4, 4>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
-        case 8: tiles_group<Q4, 8>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
-        default: tiles_group<Q4, 16>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        case 1: tiles_group<Q4, 1, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        case 2: tiles_group<Q4, 2, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        case 4: tiles_group<Q4, 4, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        case 8: tiles_group<Q4, 8, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        default: tiles_group<Q4, 16, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
       }
       // out[(16 z + l)] is weight row (16 z + l) / mp, x row l % mp
       for (int j = 0; j < 16; ++j) {
