@@ -201,12 +201,29 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
         const __m512 m_eff =
             _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), load16(mn16 + (r + h) * 16));
         const __m512 s = _mm512_loadu_ps(sums + (r + h) * 16);
-        for (int z = 0; z < MP; ++z) {
-          const __m512 dz = MP == 1 ? d : _mm512_permutexvar_ps(lane_row[z], d);
-          const __m512 mz = MP == 1 ? m_eff : _mm512_permutexvar_ps(lane_row[z], m_eff);
-          acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + h * 16 * MP + z * 16), dz, acc[z]);
-          acc[z] = _mm512_fmadd_ps(mz, s, acc[z]);
+        if constexpr (MP == 16) {  // broadcasts from memory: load ports, not port 5
+          alignas(64) float dm[32];
+          _mm512_store_ps(dm, d);
+          _mm512_store_ps(dm + 16, m_eff);
+          for (int z = 0; z < MP; ++z) {
+            acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + h * 16 * MP + z * 16),
+                                     _mm512_set1_ps(dm[z]), acc[z]);
+            acc[z] = _mm512_fmadd_ps(_mm512_set1_ps(dm[16 + z]), s, acc[z]);
+          }
+        } else {
+          for (int z = 0; z < MP; ++z) {
+            const __m512 dz = MP == 1 ? d : _mm512_permutexvar_ps(lane_row[z], d);
+            const __m512 mz = MP == 1 ? m_eff : _mm512_permutexvar_ps(lane_row[z], m_eff);
+            acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + h * 16 * MP + z * 16), dz, acc[z]);
+            acc[z] = _mm512_fmadd_ps(mz, s, acc[z]);
+          }
         }
+      } else if constexpr (MP == 16) {
+        alignas(64) float dm[16];
+        _mm512_store_ps(dm, d);
+        for (int z = 0; z < MP; ++z)
+          acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + h * 16 * MP + z * 16),
+                                   _mm512_set1_ps(dm[z]), acc[z]);
       } else {
         for (int z = 0; z < MP; ++z) {
           const __m512 dz = MP == 1 ? d : _mm512_permutexvar_ps(lane_row[z], d);
