@@ -39,9 +39,15 @@ def weights(fmt: str, shapes: list[tuple[int, int]], group: int, seed: int = 0) 
     for n, k in shapes:
         if fmt.startswith("q4"):
             w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        elif fmt == "q6_k":  # values in 6 bits, as the loader packs them
+            w = quantized.pack_q6(torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g))
         else:
             w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-        if fmt == "q4_k":  # compact: 6-bit sub-block bytes, an fp32 scale per 8 groups
+        if fmt == "q6_k":  # compact: int8 sub-block scales, an fp32 scale per 16 groups
+            sub = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
+            sup = (torch.rand(n, k // 256, generator=g) * 0.04 / 127).half().float()
+            scales, mins = torch.cat([sub, sup.view(torch.int8)], 1), None
+        elif fmt == "q4_k":  # compact: 6-bit sub-block bytes, an fp32 scale per 8 groups
             scales, mins = (compact(g, n, k // group, top, sign)
                             for top, sign in ((0.05, 1), (0.4, -1)))  # fmt: skip
         else:
@@ -65,6 +71,9 @@ def call(lib, fmt: str, x: list[torch.Tensor], ws: list, ys: list[torch.Tensor],
         m, flags = xi.shape[0], 1 | extra_flags  # bf16 x, fp32 y, fp16 scales
         if fmt == "q4_k":
             flags |= 16  # compact scales and mins
+        if fmt == "q6_k":
+            flags |= 16 | 64  # compact scales, values in 6 bits
+            group = 16
         if fmt.startswith("q4"):
             lib.q4_linear_region(xi.data_ptr(), flags, w.data_ptr(), s.data_ptr(),
                                  mn.data_ptr(), 0, y.data_ptr(), m, n, k, group,
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     """Runs the A/B; returns the median ratio (base time / tree time) per row count."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD~1", help="git revision of the other build")
-    parser.add_argument("--format", choices=["q4", "q4_k", "q8"], default="q8")
+    parser.add_argument("--format", choices=["q4", "q4_k", "q6_k", "q8"], default="q8")
     parser.add_argument("--shapes", default="1536x576,576x1536,960x576", help="NxK,...")
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--group", type=int, default=32)

@@ -152,22 +152,36 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const int64_t bf = flags & 1;
   Path path = choose(Q4, bf, K, g, (flags & 32) && !five);
 #if CC_AMX_TILES
-  // Q4_0 / Q4_1 (groups of 32, fp16 scales) from AMX_ROWS_MIN rows: tiles_amx.h. Not in
-  // batch-invariant mode (flags bit 7), whose rows must take the row products at any count.
-  // Q8_0's the same where its products are exact: at any row count where int8 activations
-  // are not allowed, else between their integer row products (1-2 rows) and their strips
-  // (from TILED_ROWS_Q8, 1.1-1.25x the tiles there: docs/kernel-choices.md, AMX tiles).
-  // Q4_K's (compact scales) where its products are exact, and above AMX_INT8_ROWS_Q4K rows
-  // where int8 activations are allowed (their row products are faster below).
-  if constexpr ((Q4 && Compact) || (!Compact && std::is_same_v<S, f16>)) {
-    const bool q8_exact = !Q4 && !(flags & 256) && (!(flags & 32) || M < TILED_ROWS_Q8);
-    const bool q4_ok = Q4 && mins && (!Compact || !(flags & 32) || M > AMX_INT8_ROWS_Q4K);
-    if (path == Path::bf16 && g == 32 && (Q4 ? q4_ok : q8_exact) && !(flags & (128 | 64)) &&
-        M >= AMX_ROWS_MIN && M <= AMX_ROWS_MAX && N % 16 == 0 && amx_ready())
-      return tiles_team<Q4, S, Compact>(static_cast<const bf16*>(x), w, scales, mins, M, N, K,
-                                        [&](int64_t n, int64_t m0, int64_t mb, const float* out) {
-                                          store(y, flags, bias, N, n, m0, mb, out);
-                                        });
+  // From AMX_ROWS_MIN rows, exact products on tiles (tiles_amx.h): Q4_0 / Q4_1 (groups of
+  // 32, fp16 scales); Q8_0 where exact: at any row count where int8 activations are not
+  // allowed, else between their integer row products (1-2 rows) and their strips (from
+  // TILED_ROWS_Q8, 1.1-1.25x the tiles there); Q4_K where exact, and above
+  // AMX_INT8_ROWS_Q4K rows where int8 activations are allowed (their row products are as
+  // fast below); Q6_K's 6-bit rows from TILED_ROWS_Q8 rows, in place of the exact strips
+  // (5-6x them; the row products below, exact or on int8, beat the tiles at 3-4 rows:
+  // docs/kernel-choices.md, AMX tiles). Not in batch-invariant mode (flags bit 7), whose rows must take the row
+  // products at any count.
+  if (!(flags & 128) && path == Path::bf16 && M >= AMX_ROWS_MIN && M <= AMX_ROWS_MAX &&
+      N % 16 == 0 && amx_ready()) {
+    const bool int8_ok = flags & 32;
+    const auto tiles = [&](auto kind) {
+      tiles_team<decltype(kind)::value, S, Compact>(
+          static_cast<const bf16*>(x), w, scales, mins, M, N, K,
+          [&](int64_t n, int64_t m0, int64_t mb, const float* out) {
+            store(y, flags, bias, N, n, m0, mb, out);
+          });
+    };
+    using q4_kind = std::integral_constant<Tiled, Tiled::q4>;
+    if constexpr (Q4 && (Compact || std::is_same_v<S, f16>)) {
+      if (g == 32 && mins && !(flags & 64) && (!Compact || !int8_ok || M > AMX_INT8_ROWS_Q4K))
+        return tiles(q4_kind{});
+    } else if constexpr (!Q4 && !Compact && std::is_same_v<S, f16>) {
+      if (g == 32 && !(flags & 256) && (!int8_ok || M < TILED_ROWS_Q8))
+        return tiles(std::integral_constant<Tiled, Tiled::q8>{});
+    } else if constexpr (!Q4 && Compact) {
+      if ((flags & 64) && g == 16 && M >= TILED_ROWS_Q8)
+        return tiles(std::integral_constant<Tiled, Tiled::q6>{});
+    }
   }
 #endif
   // Q6_K's packed rows (compact scales, K whole super-blocks): the bf16 row product reads
@@ -538,8 +552,7 @@ extern "C" {
 
 int64_t quant_kernels_available() { return 1; }
 
-// 1 where q4's and exact Q8_0's products of AMX_ROWS_MIN-AMX_ROWS_MAX rows take AMX tiles
-// (tiles_amx.h).
+// 1 where products of AMX_ROWS_MIN-AMX_ROWS_MAX rows take AMX tiles (tiles_amx.h).
 int64_t q4_tiles_available() {
 #if CC_AMX_TILES
   return amx_ready() ? 1 : 0;

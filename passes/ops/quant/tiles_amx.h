@@ -1,16 +1,19 @@
 // Part of quant_kernels.cpp, which includes it inside its anonymous namespace (the build
-// inlines the text: passes/native.py `op_source`); q4's and Q8_0's exact products on AMX
-// tiles for a few rows of x (a verification's 1 + k tokens, a decode batch, a short prompt chunk);
-// defines CC_AMX_TILES.
+// inlines the text: passes/native.py `op_source`); exact products on AMX tiles for a few
+// rows of x (a verification's 1 + k tokens, a decode batch, a short prompt chunk): q4
+// (Q4_0, Q4_1, Q4_K), Q8_0 and Q6_K's 6-bit rows; defines CC_AMX_TILES.
 //
 // Above two rows the bf16 row products are bound by `vdpbf16ps` (32 products an
 // instruction, each extra row of x costing what the first did), where one `tdpbf16ps` makes
 // 16 x 32 x (rows of x) products. The weights stay in their stored layout: each 16-row group
 // of w is unpacked a pair of runs at a time into tiles A (16 weight rows x 32 values, the
-// bf16 128 + q as in `row_product_q4_bf16`), x's runs are tile B (16 value pairs x up to 16
-// rows), and tile C = A B holds one run's exact sums for 16 weight rows x the rows of x:
+// bf16 128 + q as in `row_product_q4_bf16`; Q8_0's integers as they are; Q6_K's 128 + u),
+// x's runs are tile B (16 value pairs x up to 16 rows), and tile C = A B holds one scale
+// group's exact sums (a run of 32; Q6_K's 16, a tile of half a run) for 16 weight rows x
+// the rows of x:
 //   sum_j (d q_j + m) x_j = d sum_j (128 + q_j) x_j + (m - 128 d) sum_j x_j,
-// scaled by the run's d (and its m's term added) in fp32 per run, as the row products do.
+// (Q6_K: q = u - 32, m = 0, so -160 d), scaled by the group's d (and its offset's term
+// added) in fp32 per group, as the row products do.
 // Exact as the bf16 path is (bf16 products, fp32 sums); a row's bits differ from the row
 // products', so batch-invariant mode keeps the row products (docs/kernel-choices.md, AMX
 // tiles).
@@ -20,8 +23,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-// Rows of x the tiles take (Q4_0, Q4_1, Q8_0: groups of 32, fp16 scales; Q4_K): below 3 the row
-// products are as fast (memory-bound); above 64 the dense copy's GEMM
+// Rows of x the tiles take (Q4_0, Q4_1, Q8_0: groups of 32, fp16 scales; Q4_K, Q6_K): below
+// 3 the row products are as fast (memory-bound); above 64 the dense copy's GEMM
 // (passes/ops/quantized.py).
 constexpr int64_t AMX_ROWS_MIN = 3, AMX_ROWS_MAX = 64;
 // Q4_K's row products on int8 activations (where allowed) are as fast as the tiles up to
@@ -42,13 +45,18 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0, 1: C (16 weight rows x mp fp32); 2, 3: A (16 x 32 bf16); 4, 5: B (16 pairs x mp).
-inline void configure_tiles(int mp) {
+// What the tiles multiply: q4's nibbles (fp16 or compact scales, mins), Q8_0's int8 (fp16
+// scales), Q6_K's 6-bit rows (compact scales of groups of 16).
+enum class Tiled { q4, q8, q6 };
+
+// Tiles 0, 1: C (16 weight rows x mp fp32); 2, 3: A (16 x 2 `pairs` bf16); 4, 5: B (`pairs`
+// value pairs x mp). A group of 32 values is 16 pairs; Q6_K's groups of 16, 8.
+inline void configure_tiles(int mp, int pairs) {
   alignas(64) TileConfig c{};
   c.palette = 1;
   for (int t = 0; t < 6; ++t) {
-    c.rows[t] = 16;
-    c.colsb[t] = t == 2 || t == 3 ? 64 : mp * 4;
+    c.rows[t] = t >= 4 ? pairs : 16;
+    c.colsb[t] = t == 2 || t == 3 ? pairs * 4 : mp * 4;
   }
   // GCC drops stores it cannot see read: `ldtilecfg`'s operand is not declared as one.
   asm volatile("" : : "r"(&c) : "memory");
@@ -56,9 +64,10 @@ inline void configure_tiles(int mp) {
 }
 
 // x's rows [m0, m0 + mp) as tile B, run by run ([run][pair t][row][2 values], rows past M
-// zero), and their run sums, lane l of a run's 16 holding row l % mp's.
+// zero), and their sums over each group of `len` values (none for 0), lane l of a group's
+// 16 holding row l % mp's.
 inline void tile_rows(const bf16* x, int64_t M, int64_t K, int64_t m0, int mp, bf16* b,
-                      float* sums, bool with_sums) {
+                      float* sums, int len) {
   const int64_t runs = K / 32;
   uint32_t* pairs = reinterpret_cast<uint32_t*>(b);
   for (int m = 0; m < mp; ++m) {
@@ -67,15 +76,15 @@ inline void tile_rows(const bf16* x, int64_t M, int64_t K, int64_t m0, int mp, b
     for (int64_t r = 0; r < runs; ++r)
       for (int t = 0; t < 16; ++t) pairs[(r * 16 + t) * mp + m] = live ? row[r * 16 + t] : 0u;
   }
-  float run_sum[16];
-  for (int64_t r = 0; with_sums && r < runs; ++r) {
+  float group_sum[16];
+  for (int64_t g = 0; len && g < K / len; ++g) {
     for (int m = 0; m < mp; ++m) {
       float total = 0.f;
       if (m0 + m < M)
-        for (int j = 0; j < 32; ++j) total += to_f32(x[(m0 + m) * K + r * 32 + j]);
-      run_sum[m] = total;
+        for (int j = 0; j < len; ++j) total += to_f32(x[(m0 + m) * K + g * len + j]);
+      group_sum[m] = total;
     }
-    for (int l = 0; l < 16; ++l) sums[r * 16 + l] = run_sum[l % mp];
+    for (int l = 0; l < 16; ++l) sums[g * 16 + l] = group_sum[l % mp];
   }
 }
 
@@ -114,6 +123,23 @@ inline void transpose_scales(const f16* in, int64_t runs, f16* out) {
   }
 }
 
+// The compact scales (or mins) of weight rows [n0, n0 + 16) as fp32 [groups, 16]: super x
+// sub, exact in fp32 (quant/formats.h `CompactPtr`; Q4_K's runs, Q6_K's groups of 16),
+// decoded 16 groups a row and scattered into place.
+template <bool Q4>
+inline void compact_scales(const float* base, int64_t groups, int64_t n0, float* out) {
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(16));
+  for (int n = 0; n < 16; ++n) {
+    const CompactPtr<Q4> row = fields_at<Q4, true>(base, groups, n0 + n, base);
+    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+      const __mmask16 live = groups - g0 < 16 ? __mmask16((1u << (groups - g0)) - 1) : 0xffff;
+      _mm512_mask_i32scatter_ps(out + g0 * 16 + n, live, column, scales16(row + g0, live), 4);
+    }
+  }
+}
+
 // Runs r, r + 1 of 16 weight rows from n0 as two A tiles (`a`, `a + 512`): a row's 32 bytes
 // widen to words, low nibbles (values 0-15 of each run) and high (16-31) made bf16 in
 // place, each run's two halves put together.
@@ -144,18 +170,28 @@ inline void unpack_pair_q8(const int8_t* w, int64_t K, int64_t n0, int64_t r, bf
   }
 }
 
-// Q4_K's compact scales (or mins) of weight rows [n0, n0 + 16) as fp32 [runs, 16]: super x
-// sub, exact in fp32 (quant/formats.h `CompactPtr`).
-inline void compact_scales(const float* base, int64_t runs, int64_t n0, float* out) {
-  const __m512i column = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(16));
+// Q6_K's runs r, r + 1 (r even) of 16 weight rows as two A tiles, as `unpack_pair` lays
+// q4's out (quant/formats.h `unpack_q6_row` has the layout): each value the bf16 128 + u,
+// its nibble from the chunk's 32 nibble bytes of the pair, its top two bits from the
+// chunk's top bytes (bits 0-1 and 4-5 for runs 0-1, 2-3 and 6-7 for runs 2-3).
+inline void unpack_pair_q6(const uint8_t* w, int64_t K, int64_t n0, int64_t r, bf16* a) {
+  const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f),
+                two = _mm512_set1_epi16(0x0030);
+  const int shift = r % 4 ? 2 : 0;
   for (int n = 0; n < 16; ++n) {
-    const CompactPtr<true> row = fields_at<true, true>(base, runs, n0 + n, base);
-    for (int64_t r0 = 0; r0 < runs; r0 += 16) {
-      const __mmask16 live = runs - r0 < 16 ? __mmask16((1u << (runs - r0)) - 1) : 0xffff;
-      _mm512_mask_i32scatter_ps(out + r0 * 16 + n, live, column, scales16(row + r0, live), 4);
-    }
+    const uint8_t* chunk = w + (n0 + n) * (K / 4 * 3) + r / 4 * 96;
+    const __m512i bytes = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + r % 4 * 16)));
+    const __m512i top = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64)));
+    const __m512i lo = _mm512_or_si512(
+        _mm512_ternarylogic_epi32(low, bytes, exponent, 0xea),
+        _mm512_and_si512(_mm512_slli_epi16(top, 4 - shift), two));
+    const __m512i hi = _mm512_or_si512(
+        _mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent),
+        _mm512_and_si512(_mm512_srli_epi16(top, shift), two));
+    _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
+    _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
   }
 }
 
@@ -164,16 +200,43 @@ inline __m512 load16(const f16* p) {
 }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
+// acc += C d (+ offset x's sums) for one scale group: C [16 weight rows, MP] as the tile
+// stored it, lane l of acc[z] weight row (16 z + l) / MP and x row l % MP; `d`, `offset`
+// by weight row, `sums` by x row. With 16 rows of x a weight row's scale is a broadcast
+// from memory (load ports; `vpermps` put 32 port-5 ops a run beside the unpacking's).
+template <int MP, bool OFFSET>
+inline void scale_group(__m512* acc, const __m512i* lane_row, const float* c, __m512 d,
+                        __m512 offset, __m512 sums) {
+  if constexpr (MP == 16) {
+    alignas(64) float dm[32];
+    _mm512_store_ps(dm, d);
+    _mm512_store_ps(dm + 16, offset);
+    for (int z = 0; z < MP; ++z) {
+      acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + z * 16), _mm512_set1_ps(dm[z]), acc[z]);
+      if constexpr (OFFSET) acc[z] = _mm512_fmadd_ps(_mm512_set1_ps(dm[16 + z]), sums, acc[z]);
+    }
+  } else {
+    for (int z = 0; z < MP; ++z) {
+      const __m512 dz = MP == 1 ? d : _mm512_permutexvar_ps(lane_row[z], d);
+      acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + z * 16), dz, acc[z]);
+      if constexpr (OFFSET) {
+        const __m512 oz = MP == 1 ? offset : _mm512_permutexvar_ps(lane_row[z], offset);
+        acc[z] = _mm512_fmadd_ps(oz, sums, acc[z]);
+      }
+    }
+  }
+}
+
 // One 16-row group of w against rows [m0, m0 + MP) of x (as `tile_rows` laid them): out
-// [16, MP] fp32. `d16`, `mn16`: the group's scales and mins as [runs, 16] (fp16 from
-// `transpose_scales`, fp32 from `compact_scales`).
-template <bool Q4, int MP, typename T>
+// [16, MP] fp32. `d16`, `mn16`: the group's scales and mins as [scale groups, 16] (fp16
+// from `transpose_scales`, fp32 from `compact_scales`; Q6_K and Q8_0 have no mins).
+template <Tiled KIND, int MP, typename T>
 inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
                         const float* sums, const T* d16, const T* mn16, bf16* a, float* c,
                         float* out) {
   const int64_t runs = K / 32;
   __m512 acc[MP];
-  __m512i lane_row[MP];  // lane l of acc[z] is weight row (16 z + l) / MP, x row l % MP
+  __m512i lane_row[MP];
   for (int z = 0; z < MP; ++z) {
     acc[z] = _mm512_setzero_ps();
     lane_row[z] = _mm512_srli_epi32(
@@ -181,10 +244,36 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
         __builtin_ctz(MP));
   }
+  const __m512 none = _mm512_setzero_ps();
   for (int64_t r = 0; r < runs; r += 2) {
     bf16* at = a + (r & 2) * 512;  // two buffers: the next pair unpacks while tiles read
-    if constexpr (Q4) unpack_pair(static_cast<const uint8_t*>(w), K, n0, r, at);
-    else unpack_pair_q8(static_cast<const int8_t*>(w), K, n0, r, at);
+    if constexpr (KIND == Tiled::q4) unpack_pair(static_cast<const uint8_t*>(w), K, n0, r, at);
+    if constexpr (KIND == Tiled::q8) unpack_pair_q8(static_cast<const int8_t*>(w), K, n0, r, at);
+    if constexpr (KIND == Tiled::q6) unpack_pair_q6(static_cast<const uint8_t*>(w), K, n0, r, at);
+    if constexpr (KIND == Tiled::q6) {  // a tile a group of 16: half a run's pairs
+      for (int h = 0; h < 2; ++h) {
+        const bf16* ah = at + h * 512;
+        const bf16* bh = b + (r + h) * 32 * MP;
+        _tile_loadd(2, ah, 64);
+        _tile_loadd(4, bh, MP * 4);
+        _tile_zero(0);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_loadd(3, ah + 16, 64);
+        _tile_loadd(5, bh + 16 * MP, MP * 4);
+        _tile_zero(1);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_stored(0, c, MP * 4);
+        _tile_stored(1, c + 16 * MP, MP * 4);
+        for (int q = 0; q < 2; ++q) {
+          const int64_t group = 2 * (r + h) + q;
+          const __m512 d = load16(d16 + group * 16);
+          scale_group<MP, true>(acc, lane_row, c + q * 16 * MP, d,
+                                _mm512_mul_ps(d, _mm512_set1_ps(-160.f)),
+                                _mm512_loadu_ps(sums + group * 16));
+        }
+      }
+      continue;
+    }
     _tile_loadd(2, at, 64);
     _tile_loadd(4, b + r * 32 * MP, MP * 4);
     _tile_zero(0);
@@ -197,93 +286,70 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
     _tile_stored(1, c + 16 * MP, MP * 4);
     for (int h = 0; h < 2; ++h) {
       const __m512 d = load16(d16 + (r + h) * 16);
-      if constexpr (Q4) {
-        const __m512 m_eff =
-            _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), load16(mn16 + (r + h) * 16));
-        const __m512 s = _mm512_loadu_ps(sums + (r + h) * 16);
-        if constexpr (MP == 16) {  // broadcasts from memory: load ports, not port 5
-          alignas(64) float dm[32];
-          _mm512_store_ps(dm, d);
-          _mm512_store_ps(dm + 16, m_eff);
-          for (int z = 0; z < MP; ++z) {
-            acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + h * 16 * MP + z * 16),
-                                     _mm512_set1_ps(dm[z]), acc[z]);
-            acc[z] = _mm512_fmadd_ps(_mm512_set1_ps(dm[16 + z]), s, acc[z]);
-          }
-        } else {
-          for (int z = 0; z < MP; ++z) {
-            const __m512 dz = MP == 1 ? d : _mm512_permutexvar_ps(lane_row[z], d);
-            const __m512 mz = MP == 1 ? m_eff : _mm512_permutexvar_ps(lane_row[z], m_eff);
-            acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + h * 16 * MP + z * 16), dz, acc[z]);
-            acc[z] = _mm512_fmadd_ps(mz, s, acc[z]);
-          }
-        }
-      } else if constexpr (MP == 16) {
-        alignas(64) float dm[16];
-        _mm512_store_ps(dm, d);
-        for (int z = 0; z < MP; ++z)
-          acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + h * 16 * MP + z * 16),
-                                   _mm512_set1_ps(dm[z]), acc[z]);
-      } else {
-        for (int z = 0; z < MP; ++z) {
-          const __m512 dz = MP == 1 ? d : _mm512_permutexvar_ps(lane_row[z], d);
-          acc[z] = _mm512_fmadd_ps(_mm512_loadu_ps(c + h * 16 * MP + z * 16), dz, acc[z]);
-        }
-      }
+      if constexpr (KIND == Tiled::q4)
+        scale_group<MP, true>(acc, lane_row, c + h * 16 * MP, d,
+                              _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f),
+                                               load16(mn16 + (r + h) * 16)),
+                              _mm512_loadu_ps(sums + (r + h) * 16));
+      else
+        scale_group<MP, false>(acc, lane_row, c + h * 16 * MP, d, none, none);
     }
   }
   for (int z = 0; z < MP; ++z) _mm512_storeu_ps(out + z * 16, acc[z]);
 }
 
-// The team's share of y = x w^T on tiles: x bf16 [M, K], w q4 [N, K / 2] (groups of 32,
-// fp16 scales and mins) or Q8_0 [N, K] (fp16 scales; `mn` unused), N % 16 == 0,
-// K % 64 == 0, M <= AMX_ROWS_MAX. Each thread lays out x itself (no barrier) and takes a
-// contiguous share of the 16-row groups.
-template <bool Q4, typename S, bool Compact, typename Store>
+// The team's share of y = x w^T on tiles: x bf16 [M, K]; w q4 [N, K / 2] (groups of 32,
+// fp16 or compact scales and mins), Q8_0 [N, K] (fp16 scales; `mn` unused) or Q6_K's
+// 6-bit rows [N, K / 4 * 3] (compact scales of 16); N % 16 == 0, K % 64 == 0 (Q6_K's,
+// Q4_K's: whole super-blocks), M <= AMX_ROWS_MAX. Each thread lays out x itself (no
+// barrier) and takes a contiguous share of the 16-row groups.
+template <Tiled KIND, typename S, bool Compact, typename Store>
 inline void tiles_team(const bf16* x, const void* w, const S* s, const S* mn, int64_t M,
                        int64_t N, int64_t K, Store store_row) {
   using T = std::conditional_t<Compact, float, f16>;  // the scales as the epilogue reads them
-  const int64_t runs = K / 32, groups = N / 16;
+  constexpr int len = KIND == Tiled::q6 ? 16 : 32;  // values a scale group
+  const int64_t runs = K / 32, scale_groups = K / len, groups = N / 16;
   const int mp = M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : M <= 8 ? 8 : 16;
   const int64_t tiles = (M + mp - 1) / mp;
-  // per tile of x rows: B and sums; then the scales, A's two buffers, C, out
-  const int64_t tile_floats = runs * 16 * mp + runs * 16;
-  float* buf = scratch(tiles * tile_floats + 2 * runs * 16 + 2048 + 512 + 256 + 64);
+  // per tile of x rows: B and sums; then the scales and mins, A's two buffers, C, out
+  const int64_t tile_floats = runs * 16 * mp + scale_groups * 16;
+  float* buf = scratch(tiles * tile_floats + 2 * scale_groups * 16 + 2048 + 512 + 256 + 64);
   float* base =
       reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf) + 63) & ~uintptr_t(63));
   for (int64_t t = 0; t < tiles; ++t) {
     float* at = base + t * tile_floats;
-    tile_rows(x, M, K, t * mp, mp, reinterpret_cast<bf16*>(at), at + runs * 16 * mp, Q4);
+    tile_rows(x, M, K, t * mp, mp, reinterpret_cast<bf16*>(at), at + runs * 16 * mp,
+              KIND == Tiled::q8 ? 0 : len);
   }
   T* d16 = reinterpret_cast<T*>(base + tiles * tile_floats);
-  T* mn16 = d16 + runs * 16;
-  bf16* a = reinterpret_cast<bf16*>(base + tiles * tile_floats + 2 * runs * 16);
+  T* mn16 = d16 + scale_groups * 16;
+  bf16* a = reinterpret_cast<bf16*>(base + tiles * tile_floats + 2 * scale_groups * 16);
   float* c = reinterpret_cast<float*>(a + 2048);
   float* out = c + 512;
   const int threads = omp_get_num_threads(), me = omp_get_thread_num();
   const int64_t first = groups * me / threads, last = groups * (me + 1) / threads;
   // Configured after the last call into another library: the first call through a lazily
   // bound symbol may restore the tile state to its initial (unconfigured) one.
-  configure_tiles(mp);
+  configure_tiles(mp, len / 2);
   for (int64_t group = first; group < last; ++group) {
     const int64_t n0 = group * 16;
     if constexpr (Compact) {
-      compact_scales(s, runs, n0, d16);
-      compact_scales(mn, runs, n0, mn16);
+      compact_scales<KIND == Tiled::q4>(s, scale_groups, n0, d16);
+      if (KIND == Tiled::q4) compact_scales<true>(mn, scale_groups, n0, mn16);
     } else {
       transpose_scales(s + n0 * runs, runs, d16);
-      if (Q4) transpose_scales(mn + n0 * runs, runs, mn16);
+      if (KIND == Tiled::q4) transpose_scales(mn + n0 * runs, runs, mn16);
     }
     for (int64_t t = 0; t < tiles; ++t) {
       const float* at = base + t * tile_floats;
       const bf16* b = reinterpret_cast<const bf16*>(at);
       const float* sums = at + runs * 16 * mp;
       switch (mp) {
-        case 1: tiles_group<Q4, 1, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
-        case 2: tiles_group<Q4, 2, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
-        case 4: tiles_group<Q4, 4, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
-        case 8: tiles_group<Q4, 8, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
-        default: tiles_group<Q4, 16, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        case 1: tiles_group<KIND, 1, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        case 2: tiles_group<KIND, 2, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        case 4: tiles_group<KIND, 4, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        case 8: tiles_group<KIND, 8, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
+        default: tiles_group<KIND, 16, T>(w, K, n0, b, sums, d16, mn16, a, c, out); break;
       }
       // out[(16 z + l)] is weight row (16 z + l) / mp, x row l % mp
       for (int j = 0; j < 16; ++j) {
