@@ -37,7 +37,9 @@ def weights(fmt: str, shapes: list[tuple[int, int]], group: int, seed: int = 0) 
     g = torch.Generator().manual_seed(seed)
     out = []
     for n, k in shapes:
-        if fmt.startswith("q4"):
+        if fmt == "q5_k":  # values in 5 bits, as the loader packs them
+            w = quantized.pack_q5(torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g))
+        elif fmt.startswith("q4"):
             w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
         elif fmt == "q6_k":  # values in 6 bits, as the loader packs them
             w = quantized.pack_q6(torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g))
@@ -47,14 +49,14 @@ def weights(fmt: str, shapes: list[tuple[int, int]], group: int, seed: int = 0) 
             sub = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
             sup = (torch.rand(n, k // 256, generator=g) * 0.04 / 127).half().float()
             scales, mins = torch.cat([sub, sup.view(torch.int8)], 1), None
-        elif fmt == "q4_k":  # compact: 6-bit sub-block bytes, an fp32 scale per 8 groups
+        elif fmt in ("q4_k", "q5_k"):  # compact: 6-bit sub-block bytes, fp32 a super-block
             scales, mins = (compact(g, n, k // group, top, sign)
                             for top, sign in ((0.05, 1), (0.4, -1)))  # fmt: skip
         else:
             scales = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-3).half()
             mins = (torch.rand(n, k // group, generator=g) * -0.05).half()
         out.append((n, k, pinned(w), pinned(scales),
-                    pinned(mins) if fmt.startswith("q4") else None))  # fmt: skip
+                    None if mins is None or fmt in ("q8",) else pinned(mins)))  # fmt: skip
     return out
 
 
@@ -69,12 +71,12 @@ def call(lib, fmt: str, x: list[torch.Tensor], ws: list, ys: list[torch.Tensor],
          extra_flags: int = 0):  # fmt: skip
     for (n, k, w, s, mn), xi, y in zip(ws, x, ys):
         m, flags = xi.shape[0], 1 | extra_flags  # bf16 x, fp32 y, fp16 scales
-        if fmt == "q4_k":
-            flags |= 16  # compact scales and mins
+        if fmt in ("q4_k", "q5_k"):
+            flags |= 16 | (64 if fmt == "q5_k" else 0)  # compact; Q5_K's 5-bit rows
         if fmt == "q6_k":
             flags |= 16 | 64  # compact scales, values in 6 bits
             group = 16
-        if fmt.startswith("q4"):
+        if fmt.startswith(("q4", "q5")):
             lib.q4_linear_region(xi.data_ptr(), flags, w.data_ptr(), s.data_ptr(),
                                  mn.data_ptr(), 0, y.data_ptr(), m, n, k, group,
                                  torch.get_num_threads())  # fmt: skip
@@ -85,7 +87,7 @@ def call(lib, fmt: str, x: list[torch.Tensor], ws: list, ys: list[torch.Tensor],
 
 def reference(fmt: str, x: torch.Tensor, w: tuple) -> torch.Tensor:
     n, k, qw, s, mn = w
-    if fmt.startswith("q4"):
+    if fmt.startswith(("q4", "q5")):
         values = quantized.dequantize_q4_ref(qw, s, mn, torch.float64)
     else:
         values = quantized.dequantize_q8_ref(qw, s, torch.float64)
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     """Runs the A/B; returns the median ratio (base time / tree time) per row count."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD~1", help="git revision of the other build")
-    parser.add_argument("--format", choices=["q4", "q4_k", "q6_k", "q8"], default="q8")
+    parser.add_argument("--format", choices=["q4", "q4_k", "q5_k", "q6_k", "q8"], default="q8")
     parser.add_argument("--shapes", default="1536x576,576x1536,960x576", help="NxK,...")
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--group", type=int, default=32)

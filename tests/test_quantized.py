@@ -272,27 +272,27 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
 @pytest.mark.skipif(not quantized.amx_tiles(), reason="needs AMX tiles")
 @testing.settings(max_examples=30)
 @given(rows=st.integers(3, 64), n=st.sampled_from([16, 48, 64]), runs=st.sampled_from([2, 4, 18]),
-       fmt=st.sampled_from(["q4", "q4_k", "q4_k_int8_x", "q8", "q8_int8_x", "q6_k",
-                            "q6_k_int8_x"]),
+       fmt=st.sampled_from(["q4", "q4_k", "q4_k_int8_x", "q5_k", "q5_k_int8_x", "q8",
+                            "q8_int8_x", "q6_k", "q6_k_int8_x"]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans(),
        outliers=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
 def test_products_on_amx_tiles_stay_exact(rows, n, runs, fmt, dtype, bias, outliers, seed):
-    """On AMX, q4's (Q4_0, Q4_1, Q4_K), Q8_0's and Q6_K's products of 3-64 bf16 rows (16 weight
-    rows a tile, pairs of runs, the tail rows of x zero in their tile) are exact but for
-    fp32 sums, as the row products are: q4's +128 offset of the bf16 form comes off per
-    run (terms ~(256 d + |m|) sum|x| that cancel), the bias is added in fp32 and the
-    output rounded once. Q4_K's
-    compact scales (K whole super-blocks) as Q4_1's fp16 ones; with int8 activations
-    allowed it takes the tiles (exact) above its integer row products, from 6 rows; Q6_K's
-    6-bit rows (groups of 16: a tile of half a run each, -160 d per group) from 6 rows,
-    where the strips were; Q8_0 between its integer row products and its int8 strips,
-    3-5 rows."""
+    """On AMX, q4's (Q4_0, Q4_1, Q4_K), Q5_K's, Q8_0's and Q6_K's products of 3-64 bf16
+    rows (16 weight rows a tile, pairs of runs, the tail rows of x zero in their tile) are
+    exact but for fp32 sums, as the row products are: q4's +128 offset of the bf16 form
+    comes off per run (terms ~(256 d + |m|) sum|x| that cancel), the bias is added in fp32
+    and the output rounded once. Q4_K's compact scales (K whole super-blocks) as Q4_1's
+    fp16 ones; with int8 activations allowed it takes the tiles (exact) above its integer
+    row products, from 6 rows, as Q5_K's 5-bit rows (each nibble's fifth bit adds 16 to
+    its bf16 form); Q6_K's 6-bit rows (groups of 16: a tile of half a run each, -160 d per
+    group) from 6 rows, where the strips were; Q8_0 between its integer row products and
+    its int8 strips, 3-5 rows."""
     if fmt == "q8_int8_x":
         rows = 3 + rows % 3
-    if fmt.startswith("q6_k") or fmt == "q4_k_int8_x":
+    if fmt.startswith("q6_k") or fmt in ("q4_k_int8_x", "q5_k_int8_x"):
         rows = 6 + rows % 59
     g = torch.Generator().manual_seed(seed)
-    k = 256 * (1 + runs % 2) if fmt.startswith(("q4_k", "q6_k")) else 32 * runs
+    k = 256 * (1 + runs % 2) if fmt.startswith(("q4_k", "q5_k", "q6_k")) else 32 * runs
     runs = k // 32
     x = torch.randn(rows, k, generator=g)
     if outliers:
@@ -300,9 +300,9 @@ def test_products_on_amx_tiles_stay_exact(rows, n, runs, fmt, dtype, bias, outli
     x = x.bfloat16()
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     xd = x.double()
-    if fmt.startswith("q4"):
-        fields = _q4_fields(g, n, k, k_quant=fmt != "q4")
-        got = ops.q4_linear(x, *fields, b, dtype, fmt == "q4_k_int8_x")
+    if fmt.startswith(("q4", "q5")):
+        fields = _q4_fields(g, n, k, k_quant=fmt != "q4", five=fmt.startswith("q5"))
+        got = ops.q4_linear(x, *fields, b, dtype, fmt.endswith("int8_x"))
         w = quantized.dequantize_q4_ref(*fields, torch.float64)
         terms = _values(fields[1]).double().abs() * 256 + _values(fields[2]).double().abs()
         offsets = xd.abs().reshape(rows, runs, 32).sum(-1) @ terms.T * 2**-20

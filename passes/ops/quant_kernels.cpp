@@ -175,6 +175,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     if constexpr (Q4 && (Compact || std::is_same_v<S, f16>)) {
       if (g == 32 && mins && !(flags & 64) && (!Compact || !int8_ok || M > AMX_INT8_ROWS_Q4K))
         return tiles(q4_kind{});
+      if (Compact && (flags & 64) && g == 32 && mins && (!int8_ok || M > AMX_INT8_ROWS_Q5K))
+        return tiles(std::integral_constant<Tiled, Tiled::q5>{});
     } else if constexpr (!Q4 && !Compact && std::is_same_v<S, f16>) {
       if (g == 32 && !(flags & 256) && (!int8_ok || M < TILED_ROWS_Q8))
         return tiles(std::integral_constant<Tiled, Tiled::q8>{});

@@ -1,7 +1,7 @@
 // Part of quant_kernels.cpp, which includes it inside its anonymous namespace (the build
 // inlines the text: passes/native.py `op_source`); exact products on AMX tiles for a few
 // rows of x (a verification's 1 + k tokens, a decode batch, a short prompt chunk): q4
-// (Q4_0, Q4_1, Q4_K), Q8_0 and Q6_K's 6-bit rows; defines CC_AMX_TILES.
+// (Q4_0, Q4_1, Q4_K), Q5_K's 5-bit rows, Q8_0 and Q6_K's 6-bit rows; defines CC_AMX_TILES.
 //
 // Above two rows the bf16 row products are bound by `vdpbf16ps` (32 products an
 // instruction, each extra row of x costing what the first did), where one `tdpbf16ps` makes
@@ -31,6 +31,8 @@ constexpr int64_t AMX_ROWS_MIN = 3, AMX_ROWS_MAX = 64;
 // this many rows (1.7B's shapes: 1.03x / 1.04x / 1.05x the tiles at 3 / 4 / 5 rows, 0.89x
 // at 6): they keep them.
 constexpr int64_t AMX_INT8_ROWS_Q4K = 5;
+// Q5_K's likewise (measured as Q4_K's; its row products take every row count otherwise).
+constexpr int64_t AMX_INT8_ROWS_Q5K = 5;
 
 // Linux hands AMX's tile state to a process only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN makes the same request.
@@ -45,9 +47,11 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// What the tiles multiply: q4's nibbles (fp16 or compact scales, mins), Q8_0's int8 (fp16
-// scales), Q6_K's 6-bit rows (compact scales of groups of 16).
-enum class Tiled { q4, q8, q6 };
+// What the tiles multiply: q4's nibbles (fp16 or compact scales, mins), Q5_K's 5-bit rows
+// (compact scales, mins), Q8_0's int8 (fp16 scales), Q6_K's 6-bit rows (compact scales of
+// groups of 16).
+enum class Tiled { q4, q5, q8, q6 };
+constexpr bool with_mins(Tiled kind) { return kind == Tiled::q4 || kind == Tiled::q5; }
 
 // Tiles 0, 1: C (16 weight rows x mp fp32); 2, 3: A (16 x 2 `pairs` bf16); 4, 5: B (`pairs`
 // value pairs x mp). A group of 32 values is 16 pairs; Q6_K's groups of 16, 8.
@@ -156,6 +160,33 @@ inline void unpack_pair(const uint8_t* w, int64_t K, int64_t n0, int64_t r, bf16
   }
 }
 
+// Q5_K's runs r, r + 1 (r even) of 16 weight rows as two A tiles, as `unpack_pair` lays
+// q4's out (quant/formats.h `unpack_q5_row` has the layout): each nibble's fifth bit, from
+// the chunk's four masks (low and high nibbles of even and odd bytes), adds 16 to the bf16
+// 128 + q it widened to (bit 4 is clear there; 128 + u stays exact: u < 32).
+inline void unpack_pair_q5(const uint8_t* w, int64_t K, int64_t n0, int64_t r, bf16* a) {
+  const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f),
+                sixteen = _mm512_set1_epi16(0x0010);
+  const int at = r % 4 * 8;  // the pair's first byte's bit in the masks
+  for (int n = 0; n < 16; ++n) {
+    const uint8_t* chunk = w + (n0 + n) * (K / 128 * Q5_CHUNK_BYTES) + r / 4 * Q5_CHUNK_BYTES;
+    uint32_t fifth[4];
+    std::memcpy(fifth, chunk + 64, sizeof fifth);
+    const __mmask32 lo5 = _pdep_u32(fifth[0] >> at, 0x55555555u) |
+                          _pdep_u32(fifth[1] >> at, 0xaaaaaaaau);
+    const __mmask32 hi5 = _pdep_u32(fifth[2] >> at, 0x55555555u) |
+                          _pdep_u32(fifth[3] >> at, 0xaaaaaaaau);
+    const __m512i bytes = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + r % 4 * 16)));
+    __m512i lo = _mm512_ternarylogic_epi32(low, bytes, exponent, 0xea);
+    __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent);
+    lo = _mm512_mask_add_epi16(lo, lo5, lo, sixteen);
+    hi = _mm512_mask_add_epi16(hi, hi5, hi, sixteen);
+    _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
+    _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
+  }
+}
+
 // Q8_0's runs r, r + 1 of 16 weight rows as two A tiles: each int8 is exact in bf16.
 inline void unpack_pair_q8(const int8_t* w, int64_t K, int64_t n0, int64_t r, bf16* a) {
   for (int n = 0; n < 16; ++n) {
@@ -248,6 +279,7 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
   for (int64_t r = 0; r < runs; r += 2) {
     bf16* at = a + (r & 2) * 512;  // two buffers: the next pair unpacks while tiles read
     if constexpr (KIND == Tiled::q4) unpack_pair(static_cast<const uint8_t*>(w), K, n0, r, at);
+    if constexpr (KIND == Tiled::q5) unpack_pair_q5(static_cast<const uint8_t*>(w), K, n0, r, at);
     if constexpr (KIND == Tiled::q8) unpack_pair_q8(static_cast<const int8_t*>(w), K, n0, r, at);
     if constexpr (KIND == Tiled::q6) unpack_pair_q6(static_cast<const uint8_t*>(w), K, n0, r, at);
     if constexpr (KIND == Tiled::q6) {  // a tile a group of 16: half a run's pairs
@@ -286,7 +318,7 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
     _tile_stored(1, c + 16 * MP, MP * 4);
     for (int h = 0; h < 2; ++h) {
       const __m512 d = load16(d16 + (r + h) * 16);
-      if constexpr (KIND == Tiled::q4)
+      if constexpr (with_mins(KIND))
         scale_group<MP, true>(acc, lane_row, c + h * 16 * MP, d,
                               _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f),
                                                load16(mn16 + (r + h) * 16)),
@@ -299,7 +331,7 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
 }
 
 // The team's share of y = x w^T on tiles: x bf16 [M, K]; w q4 [N, K / 2] (groups of 32,
-// fp16 or compact scales and mins), Q8_0 [N, K] (fp16 scales; `mn` unused) or Q6_K's
+// fp16 or compact scales and mins), Q5_K's 5-bit rows (compact scales and mins), Q8_0 [N, K] (fp16 scales; `mn` unused) or Q6_K's
 // 6-bit rows [N, K / 4 * 3] (compact scales of 16); N % 16 == 0, K % 64 == 0 (Q6_K's,
 // Q4_K's: whole super-blocks), M <= AMX_ROWS_MAX. Each thread lays out x itself (no
 // barrier) and takes a contiguous share of the 16-row groups.
@@ -334,11 +366,11 @@ inline void tiles_team(const bf16* x, const void* w, const S* s, const S* mn, in
   for (int64_t group = first; group < last; ++group) {
     const int64_t n0 = group * 16;
     if constexpr (Compact) {
-      compact_scales<KIND == Tiled::q4>(s, scale_groups, n0, d16);
-      if (KIND == Tiled::q4) compact_scales<true>(mn, scale_groups, n0, mn16);
+      compact_scales<with_mins(KIND)>(s, scale_groups, n0, d16);
+      if (with_mins(KIND)) compact_scales<true>(mn, scale_groups, n0, mn16);
     } else {
       transpose_scales(s + n0 * runs, runs, d16);
-      if (KIND == Tiled::q4) transpose_scales(mn + n0 * runs, runs, mn16);
+      if (with_mins(KIND)) transpose_scales(mn + n0 * runs, runs, mn16);
     }
     for (int64_t t = 0; t < tiles; ++t) {
       const float* at = base + t * tile_floats;
