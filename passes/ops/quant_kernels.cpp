@@ -40,7 +40,7 @@
 //   quant/rows_bf16.h        the exact bf16 row products (q4, Q6_K, q8)
 //   quant/strips_bf16.h      16 weight rows at a time for many rows of x (exact bf16)
 //   quant/int8_bf16_vnni.h   int8 activations beside bf16: Q8_0's strips, K-quant rows
-//   quant/tiles_amx.h        q4's exact products on AMX tiles for 3-64 rows of x
+//   quant/tiles_amx.h        exact products on AMX tiles for 3-64 rows of x
 //   quant/dequantize.h       dense copies of the blocks, for a prefill's GEMM
 #include "cc_common.h"
 
@@ -159,8 +159,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // AMX_INT8_ROWS_Q4K rows where int8 activations are allowed (their row products are as
   // fast below); Q6_K's 6-bit rows from TILED_ROWS_Q8 rows, in place of the exact strips
   // (5-6x them; the row products below, exact or on int8, beat the tiles at 3-4 rows:
-  // docs/kernel-choices.md, AMX tiles). Not in batch-invariant mode (flags bit 7), whose rows must take the row
-  // products at any count.
+  // docs/kernel-choices.md, AMX tiles); Q5_K's as Q4_K's. Not in batch-invariant mode
+  // (flags bit 7), whose rows must take the row products at any count.
   if (!(flags & 128) && path == Path::bf16 && M >= AMX_ROWS_MIN && M <= AMX_ROWS_MAX &&
       N % 16 == 0 && amx_ready()) {
     const bool int8_ok = flags & 32;
@@ -552,16 +552,16 @@ inline void with_scales(int64_t flags, const void* scales, const void* mins, F&&
 
 extern "C" {
 
-int64_t quant_kernels_available() { return 1; }
+int64_t quant_kernels_available() { return 1; }  // a portable loop where AVX-512 is missing
 
 // 1 where products of AMX_ROWS_MIN-AMX_ROWS_MAX rows take AMX tiles (tiles_amx.h).
-int64_t q4_tiles_available() {
+int64_t quant_kernels_amx_tiles() {
 #if CC_AMX_TILES
   return amx_ready() ? 1 : 0;
 #else
   return 0;
 #endif
-}  // a portable loop where AVX-512 is missing
+}
 
 // 0: the portable loop; 1: fp32 (AVX-512, or AVX2 + FMA); 2: bf16 activations on the integer path
 // (int8 activations, VNNI); 3: bf16 activations on the exact bf16 path (AVX512-BF16).

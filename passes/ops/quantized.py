@@ -159,7 +159,7 @@ def _kernel() -> ctypes.CDLL | None:
         ("q4_linear_team(i64 x11)", "q4_linear_region(i64 x12)", "q8_linear_team(i64 x10)",
          "q8_linear_region(i64 x11)", "quant_kernels_path(i64 x4) -> i64",
          "quant_kernels_int8_rows() -> i64", "quant_kernels_invariant_rows() -> i64",
-         "q4_tiles_available() -> i64", "dequantize_q4_region(i64 x9)",
+         "quant_kernels_amx_tiles() -> i64", "dequantize_q4_region(i64 x9)",
          "dequantize_q8_region(i64 x8)"),
     )  # fmt: skip
 
@@ -275,11 +275,11 @@ def int8_rows() -> int:
 
 @functools.cache
 def amx_tiles() -> bool:
-    """Whether q4's products (groups of 32, fp16 scales, 16 weight rows at a time) of 3-64
-    bf16 rows take AMX tiles here (quant/tiles_amx.h): exact as the row products, with
-    other rounding of the fp32 sums, so not in batch-invariant mode."""
+    """Whether exact products of 3-64 bf16 rows take AMX tiles here (quant/tiles_amx.h:
+    Q4_0, Q4_1, Q4_K, Q5_K, Q8_0, Q6_K from 6 rows; 16 weight rows at a time): exact as
+    the row products, the fp32 sums in another order, so not in batch-invariant mode."""
     lib = _kernel()
-    return lib is not None and bool(lib.q4_tiles_available())
+    return lib is not None and bool(lib.quant_kernels_amx_tiles())
 
 
 @functools.cache

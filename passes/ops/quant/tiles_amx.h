@@ -23,15 +23,16 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-// Rows of x the tiles take (Q4_0, Q4_1, Q8_0: groups of 32, fp16 scales; Q4_K, Q6_K): below
-// 3 the row products are as fast (memory-bound); above 64 the dense copy's GEMM
+// Rows of x the tiles take (Q4_0, Q4_1, Q8_0: groups of 32, fp16 scales; the K-quants):
+// below 3 the row products are as fast (memory-bound); above 64 the dense copy's GEMM
 // (passes/ops/quantized.py).
 constexpr int64_t AMX_ROWS_MIN = 3, AMX_ROWS_MAX = 64;
 // Q4_K's row products on int8 activations (where allowed) are as fast as the tiles up to
 // this many rows (1.7B's shapes: 1.03x / 1.04x / 1.05x the tiles at 3 / 4 / 5 rows, 0.89x
 // at 6): they keep them.
 constexpr int64_t AMX_INT8_ROWS_Q4K = 5;
-// Q5_K's likewise (measured as Q4_K's; its row products take every row count otherwise).
+// Q5_K's likewise (the tiles 0.98x its int8 row products at 6 rows, 1.12x at 8, 1.47x at
+// 16; those took every row count before).
 constexpr int64_t AMX_INT8_ROWS_Q5K = 5;
 
 // Linux hands AMX's tile state to a process only on request (arch_prctl
@@ -331,10 +332,11 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
 }
 
 // The team's share of y = x w^T on tiles: x bf16 [M, K]; w q4 [N, K / 2] (groups of 32,
-// fp16 or compact scales and mins), Q5_K's 5-bit rows (compact scales and mins), Q8_0 [N, K] (fp16 scales; `mn` unused) or Q6_K's
-// 6-bit rows [N, K / 4 * 3] (compact scales of 16); N % 16 == 0, K % 64 == 0 (Q6_K's,
-// Q4_K's: whole super-blocks), M <= AMX_ROWS_MAX. Each thread lays out x itself (no
-// barrier) and takes a contiguous share of the 16-row groups.
+// fp16 or compact scales and mins), Q5_K's 5-bit rows (compact scales and mins), Q8_0
+// [N, K] (fp16 scales; `mn` unused) or Q6_K's 6-bit rows [N, K / 4 * 3] (compact scales
+// of 16); N % 16 == 0, K % 64 == 0 (the K-quants': whole super-blocks), M <= AMX_ROWS_MAX.
+// Each thread lays out x itself (no barrier) and takes a contiguous share of the 16-row
+// groups.
 template <Tiled KIND, typename S, bool Compact, typename Store>
 inline void tiles_team(const bf16* x, const void* w, const S* s, const S* mn, int64_t M,
                        int64_t N, int64_t K, Store store_row) {
