@@ -1,6 +1,7 @@
 """Same-process A/B of two builds of `passes/ops/quant_kernels.cpp` on its products alone:
 the working tree's against a git revision's, `q4_linear_region` / `q8_linear_region`
-called through ctypes on random blocks held in huge pages (as the engine holds weights),
+called through ctypes on random blocks (q4, Q4_K, Q5_K, Q6_K, Q8_0, IQ4) held in huge pages
+(as the engine holds weights),
 alternating rounds. Prints each build's time per call, the ratio base / tree (median and
 range) and each build's largest error against an fp64 product (docs/kernel-choices.md, Strips).
 
@@ -39,13 +40,16 @@ def weights(fmt: str, shapes: list[tuple[int, int]], group: int, seed: int = 0) 
     for n, k in shapes:
         if fmt == "q5_k":  # values in 5 bits, as the loader packs them
             w = quantized.pack_q5(torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g))
-        elif fmt.startswith("q4"):
+        elif fmt.startswith(("q4", "iq4")):  # IQ4: table indices in q4's order
             w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
         elif fmt == "q6_k":  # values in 6 bits, as the loader packs them
             w = quantized.pack_q6(torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=g))
         else:
             w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-        if fmt == "q6_k":  # compact: int8 sub-block scales, an fp32 scale per 16 groups
+        if fmt == "iq4":  # fp32 scales: an fp16 times an integer in [-32, 31]
+            sub = torch.randint(-32, 32, (n, k // 32), generator=g).float()
+            scales, mins = (torch.rand(n, k // 32, generator=g) * 0.01).half().float() * sub, None
+        elif fmt == "q6_k":  # compact: int8 sub-block scales, an fp32 scale per 16 groups
             sub = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
             sup = (torch.rand(n, k // 256, generator=g) * 0.04 / 127).half().float()
             scales, mins = torch.cat([sub, sup.view(torch.int8)], 1), None
@@ -76,6 +80,8 @@ def call(lib, fmt: str, x: list[torch.Tensor], ws: list, ys: list[torch.Tensor],
         if fmt == "q6_k":
             flags |= 16 | 64  # compact scales, values in 6 bits
             group = 16
+        if fmt == "iq4":
+            flags |= 4 | 256  # fp32 scales, table indices
         if fmt.startswith(("q4", "q5")):
             lib.q4_linear_region(xi.data_ptr(), flags, w.data_ptr(), s.data_ptr(),
                                  mn.data_ptr(), 0, y.data_ptr(), m, n, k, group,
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     """Runs the A/B; returns the median ratio (base time / tree time) per row count."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD~1", help="git revision of the other build")
-    parser.add_argument("--format", choices=["q4", "q4_k", "q5_k", "q6_k", "q8"], default="q8")
+    parser.add_argument("--format", default="q8",
+                        choices=["q4", "q4_k", "q5_k", "q6_k", "q8", "iq4"])  # fmt: skip
     parser.add_argument("--shapes", default="1536x576,576x1536,960x576", help="NxK,...")
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--group", type=int, default=32)

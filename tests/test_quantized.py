@@ -273,7 +273,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
 @testing.settings(max_examples=30)
 @given(rows=st.integers(3, 64), n=st.sampled_from([16, 48, 64]), runs=st.sampled_from([2, 4, 18]),
        fmt=st.sampled_from(["q4", "q4_k", "q4_k_int8_x", "q5_k", "q5_k_int8_x", "q8",
-                            "q8_int8_x", "q6_k", "q6_k_int8_x"]),
+                            "q8_int8_x", "q6_k", "q6_k_int8_x", "iq4", "iq4_int8_x"]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans(),
        outliers=st.booleans(), seed=st.integers(0, 2**16))  # fmt: skip
 def test_products_on_amx_tiles_stay_exact(rows, n, runs, fmt, dtype, bias, outliers, seed):
@@ -286,7 +286,8 @@ def test_products_on_amx_tiles_stay_exact(rows, n, runs, fmt, dtype, bias, outli
     row products, from 6 rows, as Q5_K's 5-bit rows (each nibble's fifth bit adds 16 to
     its bf16 form); Q6_K's 6-bit rows (groups of 16: a tile of half a run each, -160 d per
     group) from 6 rows, where the strips were; Q8_0 between its integer row products and
-    its int8 strips, 3-5 rows."""
+    its int8 strips, 3-5 rows; IQ4 (its table values looked up as bf16) at every count,
+    where int8 activations are allowed too."""
     if fmt == "q8_int8_x":
         rows = 3 + rows % 3
     if fmt.startswith("q6_k") or fmt in ("q4_k_int8_x", "q5_k_int8_x"):
@@ -313,8 +314,8 @@ def test_products_on_amx_tiles_stay_exact(rows, n, runs, fmt, dtype, bias, outli
         group_abs = xd.abs().reshape(rows, k // 16, 16).sum(-1)
         offsets = group_abs @ _values(fields[1]).double().abs().T * 352 * 2**-20
     else:
-        fields = _q8_fields(g, n, k)
-        got = ops.q8_linear(x, *fields, b, dtype, fmt == "q8_int8_x")
+        fields = _iq4_fields(g, n, k) if fmt.startswith("iq4") else _q8_fields(g, n, k)
+        got = ops.q8_linear(x, *fields, b, dtype, fmt.endswith("int8_x"))
         w = quantized.dequantize_q8_ref(*fields, torch.float64)
         offsets = 0
     assert got.shape == (rows, n) and got.dtype == dtype

@@ -159,8 +159,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // AMX_INT8_ROWS_Q4K rows where int8 activations are allowed (their row products are as
   // fast below); Q6_K's 6-bit rows from TILED_ROWS_Q8 rows, in place of the exact strips
   // (5-6x them; the row products below, exact or on int8, beat the tiles at 3-4 rows:
-  // docs/kernel-choices.md, AMX tiles); Q5_K's as Q4_K's. Not in batch-invariant mode
-  // (flags bit 7), whose rows must take the row products at any count.
+  // docs/kernel-choices.md, AMX tiles); Q5_K's as Q4_K's; IQ4's at every count, in place
+  // of its int8 strips too (1.2-1.4x them at 6-16 rows, level at 32-64). Not in
+  // batch-invariant mode (flags bit 7), whose rows must take the row products at any
+  // count.
   if (!(flags & 128) && path == Path::bf16 && M >= AMX_ROWS_MIN && M <= AMX_ROWS_MAX &&
       N % 16 == 0 && amx_ready()) {
     const bool int8_ok = flags & 32;
@@ -180,6 +182,9 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     } else if constexpr (!Q4 && !Compact && std::is_same_v<S, f16>) {
       if (g == 32 && !(flags & 256) && (!int8_ok || M < TILED_ROWS_Q8))
         return tiles(std::integral_constant<Tiled, Tiled::q8>{});
+    } else if constexpr (!Q4 && !Compact) {  // IQ4's indices, fp32 scales
+      if (g == 32 && (flags & 256))
+        return tiles(std::integral_constant<Tiled, Tiled::iq4>{});
     } else if constexpr (!Q4 && Compact) {
       if ((flags & 64) && g == 16 && M >= TILED_ROWS_Q8)
         return tiles(std::integral_constant<Tiled, Tiled::q6>{});

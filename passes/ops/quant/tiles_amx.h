@@ -1,13 +1,15 @@
 // Part of quant_kernels.cpp, which includes it inside its anonymous namespace (the build
 // inlines the text: passes/native.py `op_source`); exact products on AMX tiles for a few
 // rows of x (a verification's 1 + k tokens, a decode batch, a short prompt chunk): q4
-// (Q4_0, Q4_1, Q4_K), Q5_K's 5-bit rows, Q8_0 and Q6_K's 6-bit rows; defines CC_AMX_TILES.
+// (Q4_0, Q4_1, Q4_K), Q5_K's 5-bit rows, Q8_0, Q6_K's 6-bit rows and IQ4; defines
+// CC_AMX_TILES.
 //
 // Above two rows the bf16 row products are bound by `vdpbf16ps` (32 products an
 // instruction, each extra row of x costing what the first did), where one `tdpbf16ps` makes
 // 16 x 32 x (rows of x) products. The weights stay in their stored layout: each 16-row group
 // of w is unpacked a pair of runs at a time into tiles A (16 weight rows x 32 values, the
-// bf16 128 + q as in `row_product_q4_bf16`; Q8_0's integers as they are; Q6_K's 128 + u),
+// bf16 128 + q as in `row_product_q4_bf16`; Q8_0's integers as they are; Q6_K's 128 + u;
+// IQ4's table values),
 // x's runs are tile B (16 value pairs x up to 16 rows), and tile C = A B holds one scale
 // group's exact sums (a run of 32; Q6_K's 16, a tile of half a run) for 16 weight rows x
 // the rows of x:
@@ -50,8 +52,8 @@ struct TileConfig {
 
 // What the tiles multiply: q4's nibbles (fp16 or compact scales, mins), Q5_K's 5-bit rows
 // (compact scales, mins), Q8_0's int8 (fp16 scales), Q6_K's 6-bit rows (compact scales of
-// groups of 16).
-enum class Tiled { q4, q5, q8, q6 };
+// groups of 16), IQ4's table indices (fp32 scales).
+enum class Tiled { q4, q5, q8, q6, iq4 };
 constexpr bool with_mins(Tiled kind) { return kind == Tiled::q4 || kind == Tiled::q5; }
 
 // Tiles 0, 1: C (16 weight rows x mp fp32); 2, 3: A (16 x 2 `pairs` bf16); 4, 5: B (`pairs`
@@ -128,6 +130,19 @@ inline void transpose_scales(const f16* in, int64_t runs, f16* out) {
   }
 }
 
+// A [16, runs] block of fp32 scales (IQ4's) as [runs, 16], scattered 16 runs a row.
+inline void transpose_scales(const float* in, int64_t runs, float* out) {
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(16));
+  for (int n = 0; n < 16; ++n)
+    for (int64_t r0 = 0; r0 < runs; r0 += 16) {
+      const __mmask16 live = runs - r0 < 16 ? __mmask16((1u << (runs - r0)) - 1) : 0xffff;
+      _mm512_mask_i32scatter_ps(out + r0 * 16 + n, live, column,
+                                _mm512_maskz_loadu_ps(live, in + n * runs + r0), 4);
+    }
+}
+
 // The compact scales (or mins) of weight rows [n0, n0 + 16) as fp32 [groups, 16]: super x
 // sub, exact in fp32 (quant/formats.h `CompactPtr`; Q4_K's runs, Q6_K's groups of 16),
 // decoded 16 groups a row and scattered into place.
@@ -183,6 +198,24 @@ inline void unpack_pair_q5(const uint8_t* w, int64_t K, int64_t n0, int64_t r, b
     __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent);
     lo = _mm512_mask_add_epi16(lo, lo5, lo, sixteen);
     hi = _mm512_mask_add_epi16(hi, hi5, hi, sixteen);
+    _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
+    _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
+  }
+}
+
+// IQ4's runs r, r + 1 of 16 weight rows as two A tiles, as `unpack_pair` lays q4's out:
+// each index looks its value up as a bf16 word (IQ4_VALUES are integers, exact in bf16).
+inline void unpack_pair_iq4(const uint8_t* w, int64_t K, int64_t n0, int64_t r, bf16* a) {
+  const __m512 values = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))));
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // words 0-15
+  const __m512i low = _mm512_set1_epi16(0x000f);
+  for (int n = 0; n < 16; ++n) {
+    const uint8_t* p = w + (n0 + n) * (K / 2) + r * 16;
+    const __m512i bytes =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, low), table);
+    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
     _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
     _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
   }
@@ -282,6 +315,8 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
     if constexpr (KIND == Tiled::q4) unpack_pair(static_cast<const uint8_t*>(w), K, n0, r, at);
     if constexpr (KIND == Tiled::q5) unpack_pair_q5(static_cast<const uint8_t*>(w), K, n0, r, at);
     if constexpr (KIND == Tiled::q8) unpack_pair_q8(static_cast<const int8_t*>(w), K, n0, r, at);
+    if constexpr (KIND == Tiled::iq4)
+      unpack_pair_iq4(static_cast<const uint8_t*>(w), K, n0, r, at);
     if constexpr (KIND == Tiled::q6) unpack_pair_q6(static_cast<const uint8_t*>(w), K, n0, r, at);
     if constexpr (KIND == Tiled::q6) {  // a tile a group of 16: half a run's pairs
       for (int h = 0; h < 2; ++h) {
@@ -333,14 +368,14 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
 
 // The team's share of y = x w^T on tiles: x bf16 [M, K]; w q4 [N, K / 2] (groups of 32,
 // fp16 or compact scales and mins), Q5_K's 5-bit rows (compact scales and mins), Q8_0
-// [N, K] (fp16 scales; `mn` unused) or Q6_K's 6-bit rows [N, K / 4 * 3] (compact scales
-// of 16); N % 16 == 0, K % 64 == 0 (the K-quants': whole super-blocks), M <= AMX_ROWS_MAX.
+// [N, K] (fp16 scales; `mn` unused), Q6_K's 6-bit rows [N, K / 4 * 3] (compact scales
+// of 16) or IQ4's indices [N, K / 2] (fp32 scales); N % 16 == 0, K % 64 == 0 (the K-quants': whole super-blocks), M <= AMX_ROWS_MAX.
 // Each thread lays out x itself (no barrier) and takes a contiguous share of the 16-row
 // groups.
 template <Tiled KIND, typename S, bool Compact, typename Store>
 inline void tiles_team(const bf16* x, const void* w, const S* s, const S* mn, int64_t M,
                        int64_t N, int64_t K, Store store_row) {
-  using T = std::conditional_t<Compact, float, f16>;  // the scales as the epilogue reads them
+  using T = std::conditional_t<std::is_same_v<S, float>, float, f16>;  // as the epilogue reads
   constexpr int len = KIND == Tiled::q6 ? 16 : 32;  // values a scale group
   const int64_t runs = K / 32, scale_groups = K / len, groups = N / 16;
   const int mp = M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : M <= 8 ? 8 : 16;
@@ -353,7 +388,7 @@ inline void tiles_team(const bf16* x, const void* w, const S* s, const S* mn, in
   for (int64_t t = 0; t < tiles; ++t) {
     float* at = base + t * tile_floats;
     tile_rows(x, M, K, t * mp, mp, reinterpret_cast<bf16*>(at), at + runs * 16 * mp,
-              KIND == Tiled::q8 ? 0 : len);
+              with_mins(KIND) || KIND == Tiled::q6 ? len : 0);
   }
   T* d16 = reinterpret_cast<T*>(base + tiles * tile_floats);
   T* mn16 = d16 + scale_groups * 16;
