@@ -58,9 +58,8 @@ def weights(fmt: str, shapes: list[tuple[int, int]], group: int, seed: int = 0) 
                             for top, sign in ((0.05, 1), (0.4, -1)))  # fmt: skip
         else:
             scales = (torch.rand(n, k // group, generator=g) * 0.01 + 1e-3).half()
-            mins = (torch.rand(n, k // group, generator=g) * -0.05).half()
-        out.append((n, k, pinned(w), pinned(scales),
-                    None if mins is None or fmt in ("q8",) else pinned(mins)))  # fmt: skip
+            mins = (torch.rand(n, k // group, generator=g) * -0.05).half() if fmt == "q4" else None
+        out.append((n, k, pinned(w), pinned(scales), None if mins is None else pinned(mins)))
     return out
 
 

@@ -167,6 +167,13 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
   }
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
 }
+// IQ4_VALUES as bf16 words 0-15 of a vector (integers, exact in bf16), for `vpermw`.
+inline __m512i iq4_bf16_table() {
+  const __m512 values = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))));
+  return (__m512i)_mm512_cvtne2ps_pbh(values, values);
+}
+
 // IQ4's indices on the same path: each nibble, masked in place as q4's, looks its value up
 // as a bf16 word (`vpermw`: IQ4_VALUES are integers, exact in bf16), and `vdpbf16ps`
 // multiplies 32 of them by 32 activations exactly; a scale a run (groups of 32), no offset.
@@ -177,9 +184,7 @@ inline void row_product_iq4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* 
                                  const float* s, float* out) {
   __m512 acc[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512 values = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))));
-  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // words 0-15
+  const __m512i table = iq4_bf16_table();
   const __m512i low = _mm512_set1_epi16(0x000f);
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t runs = K / 32;

@@ -44,6 +44,9 @@ inline bool amx_ready() {
   return ok;
 }
 
+// Lanes [0, n) of 16 (all where n >= 16).
+inline __mmask16 live16(int64_t n) { return n < 16 ? __mmask16((1u << n) - 1) : 0xffff; }
+
 struct TileConfig {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -72,9 +75,9 @@ inline void configure_tiles(int mp, int pairs) {
 
 // x's rows [m0, m0 + mp) as tile B, run by run ([run][pair t][row][2 values], rows past M
 // zero), and their sums over each group of `len` values (none for 0), lane l of a group's
-// 16 holding row l % mp's.
+// 16 holding row l % mp's (`row_sums`: K / len floats of room).
 inline void tile_rows(const bf16* x, int64_t M, int64_t K, int64_t m0, int mp, bf16* b,
-                      float* sums, int len) {
+                      float* sums, int len, float* row_sums) {
   const int64_t runs = K / 32;
   uint32_t* pairs = reinterpret_cast<uint32_t*>(b);
   for (int m = 0; m < mp; ++m) {
@@ -83,15 +86,13 @@ inline void tile_rows(const bf16* x, int64_t M, int64_t K, int64_t m0, int mp, b
     for (int64_t r = 0; r < runs; ++r)
       for (int t = 0; t < 16; ++t) pairs[(r * 16 + t) * mp + m] = live ? row[r * 16 + t] : 0u;
   }
-  float group_sum[16];
-  for (int64_t g = 0; len && g < K / len; ++g) {
-    for (int m = 0; m < mp; ++m) {
-      float total = 0.f;
-      if (m0 + m < M)
-        for (int j = 0; j < len; ++j) total += to_f32(x[(m0 + m) * K + g * len + j]);
-      group_sum[m] = total;
-    }
-    for (int l = 0; l < 16; ++l) sums[g * 16 + l] = group_sum[l % mp];
+  if (!len) return;
+  const int64_t groups = K / len;
+  // Padding rows' lanes are left as they are: lanes never mix, and theirs are not stored.
+  for (int m = 0; m < mp && m0 + m < M; ++m) {
+    run_sums(x + (m0 + m) * K, K, row_sums, len);  // as the row products sum them
+    for (int64_t g = 0; g < groups; ++g)
+      for (int l = m; l < 16; l += mp) sums[g * 16 + l] = row_sums[g];
   }
 }
 
@@ -130,17 +131,21 @@ inline void transpose_scales(const f16* in, int64_t runs, f16* out) {
   }
 }
 
-// A [16, runs] block of fp32 scales (IQ4's) as [runs, 16], scattered 16 runs a row.
-inline void transpose_scales(const float* in, int64_t runs, float* out) {
+// Row n's scales of groups [g0, g0 + 16) (`v`, lanes past `groups` dead) into column n of
+// out [groups, 16].
+inline void scatter_column(float* out, int n, int64_t g0, int64_t groups, __m512 v) {
   const __m512i column = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
       _mm512_set1_epi32(16));
+  _mm512_mask_i32scatter_ps(out + g0 * 16 + n, live16(groups - g0), column, v, 4);
+}
+
+// A [16, runs] block of fp32 scales (IQ4's) as [runs, 16].
+inline void transpose_scales(const float* in, int64_t runs, float* out) {
   for (int n = 0; n < 16; ++n)
-    for (int64_t r0 = 0; r0 < runs; r0 += 16) {
-      const __mmask16 live = runs - r0 < 16 ? __mmask16((1u << (runs - r0)) - 1) : 0xffff;
-      _mm512_mask_i32scatter_ps(out + r0 * 16 + n, live, column,
-                                _mm512_maskz_loadu_ps(live, in + n * runs + r0), 4);
-    }
+    for (int64_t r0 = 0; r0 < runs; r0 += 16)
+      scatter_column(out, n, r0, runs,
+                     _mm512_maskz_loadu_ps(live16(runs - r0), in + n * runs + r0));
 }
 
 // The compact scales (or mins) of weight rows [n0, n0 + 16) as fp32 [groups, 16]: super x
@@ -148,16 +153,19 @@ inline void transpose_scales(const float* in, int64_t runs, float* out) {
 // decoded 16 groups a row and scattered into place.
 template <bool Q4>
 inline void compact_scales(const float* base, int64_t groups, int64_t n0, float* out) {
-  const __m512i column = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(16));
   for (int n = 0; n < 16; ++n) {
     const CompactPtr<Q4> row = fields_at<Q4, true>(base, groups, n0 + n, base);
-    for (int64_t g0 = 0; g0 < groups; g0 += 16) {
-      const __mmask16 live = groups - g0 < 16 ? __mmask16((1u << (groups - g0)) - 1) : 0xffff;
-      _mm512_mask_i32scatter_ps(out + g0 * 16 + n, live, column, scales16(row + g0, live), 4);
-    }
+    for (int64_t g0 = 0; g0 < groups; g0 += 16)
+      scatter_column(out, n, g0, groups, scales16(row + g0, live16(groups - g0)));
   }
+}
+
+// Weight row n's runs r, r + 1 into the two A tiles (`a`, `a + 512`) from its 32 words of
+// low nibbles' values (runs r, r + 1's values 0-15) and high (16-31): each run's halves
+// put together.
+inline void put_runs(bf16* a, int n, __m512i lo, __m512i hi) {
+  _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
+  _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
 }
 
 // Runs r, r + 1 of 16 weight rows from n0 as two A tiles (`a`, `a + 512`): a row's 32 bytes
@@ -171,8 +179,7 @@ inline void unpack_pair(const uint8_t* w, int64_t K, int64_t n0, int64_t r, bf16
         _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512i lo = _mm512_ternarylogic_epi32(low, bytes, exponent, 0xea);
     const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent);
-    _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
-    _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
+    put_runs(a, n, lo, hi);
   }
 }
 
@@ -198,17 +205,14 @@ inline void unpack_pair_q5(const uint8_t* w, int64_t K, int64_t n0, int64_t r, b
     __m512i hi = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent);
     lo = _mm512_mask_add_epi16(lo, lo5, lo, sixteen);
     hi = _mm512_mask_add_epi16(hi, hi5, hi, sixteen);
-    _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
-    _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
+    put_runs(a, n, lo, hi);
   }
 }
 
 // IQ4's runs r, r + 1 of 16 weight rows as two A tiles, as `unpack_pair` lays q4's out:
 // each index looks its value up as a bf16 word (IQ4_VALUES are integers, exact in bf16).
 inline void unpack_pair_iq4(const uint8_t* w, int64_t K, int64_t n0, int64_t r, bf16* a) {
-  const __m512 values = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))));
-  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // words 0-15
+  const __m512i table = iq4_bf16_table();
   const __m512i low = _mm512_set1_epi16(0x000f);
   for (int n = 0; n < 16; ++n) {
     const uint8_t* p = w + (n0 + n) * (K / 2) + r * 16;
@@ -216,8 +220,7 @@ inline void unpack_pair_iq4(const uint8_t* w, int64_t K, int64_t n0, int64_t r, 
         _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, low), table);
     const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
-    _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
-    _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
+    put_runs(a, n, lo, hi);
   }
 }
 
@@ -255,8 +258,7 @@ inline void unpack_pair_q6(const uint8_t* w, int64_t K, int64_t n0, int64_t r, b
     const __m512i hi = _mm512_or_si512(
         _mm512_or_si512(_mm512_srli_epi16(bytes, 4), exponent),
         _mm512_and_si512(_mm512_srli_epi16(top, shift), two));
-    _mm512_store_si512(a + n * 32, _mm512_shuffle_i64x2(lo, hi, 0x44));
-    _mm512_store_si512(a + 512 + n * 32, _mm512_shuffle_i64x2(lo, hi, 0xee));
+    put_runs(a, n, lo, hi);
   }
 }
 
@@ -369,7 +371,8 @@ inline void tiles_group(const void* w, int64_t K, int64_t n0, const bf16* b,
 // The team's share of y = x w^T on tiles: x bf16 [M, K]; w q4 [N, K / 2] (groups of 32,
 // fp16 or compact scales and mins), Q5_K's 5-bit rows (compact scales and mins), Q8_0
 // [N, K] (fp16 scales; `mn` unused), Q6_K's 6-bit rows [N, K / 4 * 3] (compact scales
-// of 16) or IQ4's indices [N, K / 2] (fp32 scales); N % 16 == 0, K % 64 == 0 (the K-quants': whole super-blocks), M <= AMX_ROWS_MAX.
+// of 16) or IQ4's indices [N, K / 2] (fp32 scales); N % 16 == 0, K % 64 == 0 (the
+// K-quants': whole super-blocks), M <= AMX_ROWS_MAX.
 // Each thread lays out x itself (no barrier) and takes a contiguous share of the 16-row
 // groups.
 template <Tiled KIND, typename S, bool Compact, typename Store>
@@ -382,13 +385,15 @@ inline void tiles_team(const bf16* x, const void* w, const S* s, const S* mn, in
   const int64_t tiles = (M + mp - 1) / mp;
   // per tile of x rows: B and sums; then the scales and mins, A's two buffers, C, out
   const int64_t tile_floats = runs * 16 * mp + scale_groups * 16;
-  float* buf = scratch(tiles * tile_floats + 2 * scale_groups * 16 + 2048 + 512 + 256 + 64);
+  float* buf = scratch(tiles * tile_floats + 2 * scale_groups * 16 + 2048 + 512 + 256 +
+                       scale_groups + 64);
   float* base =
       reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf) + 63) & ~uintptr_t(63));
+  float* row_sums = base + tiles * tile_floats + 2 * scale_groups * 16 + 2048 + 512 + 256;
   for (int64_t t = 0; t < tiles; ++t) {
     float* at = base + t * tile_floats;
     tile_rows(x, M, K, t * mp, mp, reinterpret_cast<bf16*>(at), at + runs * 16 * mp,
-              with_mins(KIND) || KIND == Tiled::q6 ? len : 0);
+              with_mins(KIND) || KIND == Tiled::q6 ? len : 0, row_sums);
   }
   T* d16 = reinterpret_cast<T*>(base + tiles * tile_floats);
   T* mn16 = d16 + scale_groups * 16;
