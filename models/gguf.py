@@ -31,7 +31,7 @@ import torch
 from models.cache_files import write_folder_once
 from models.gguf_file import GGUFFile, GGUFFormatError
 from models.layers.quantization import QuantFormat, QuantizationConfig
-from passes.ops.quantized import kernel_path, pack_q5, pack_q6
+from passes.ops.quantized import int8_pairs, kernel_path, pack_q5, pack_q6
 
 logger = logging.getLogger("compilecore")
 
@@ -82,10 +82,11 @@ def _reader(path: Path) -> GGUFFile:
 
 
 def keeps_q5_k(device_type: str) -> bool:
-    """Whether Q5_K blocks are kept: where the exact bf16 row products read its 5-bit
-    values in place (our CPU kernels with AVX512-BF16). Elsewhere (other CPUs, GPUs: the
-    Triton product reads no 5-bit rows) they load as floats, as every type not kept."""
-    return device_type == "cpu" and kernel_path() == "bf16"
+    """Whether Q5_K blocks are kept: where our CPU kernels read its 5-bit values in place
+    (the exact bf16 row products with AVX512-BF16; with AVX2 the row products on int8
+    activations, `int8_pairs`). Elsewhere (other CPUs, GPUs: the Triton product reads no
+    5-bit rows) they load as floats, as every type not kept."""
+    return device_type == "cpu" and (kernel_path() == "bf16" or int8_pairs())
 
 
 def _kept_formats(q5_k: bool = True, iq4: bool = True) -> dict[Any, QuantFormat]:

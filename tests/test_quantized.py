@@ -220,7 +220,8 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     bits, or one int8 each) and int8's whole row; q4 groups of 32 and of 128 (int4_g128).
     `int8_x` (q8's argument): Q8_0's strips (6 rows and more, 16 weight rows) quantize
     activations the same way on CPUs with both AVX512-BF16 and AVX512-VNNI, and so do its
-    row products for 1-2 rows and Q6_K's (6 bits) for 1-5, under the same bound."""
+    row products for 1-2 rows and Q6_K's (6 bits) for 1-5, under the same bound; with
+    AVX2 alone Q8_0's for 1-2 rows and Q6_K's at every count."""
     g = torch.Generator().manual_seed(seed)
     whole = 256 * max(1, runs // 4)  # the K-quants' super-blocks
     k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole, "q5_k": whole}.get(fmt, 32 * runs)
@@ -252,6 +253,8 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
         and (fmt == "q8" or fmt == "q6_k" and (rows < 6 or n < 16))
         or fmt == "q8"
         and rows <= quantized.int8_rows()  # AVX2's row products
+        or fmt == "q6_k"
+        and quantized.int8_pairs()
     )
     if (path == "int8" and fmt in ("q4", "q4_k", "q8")) or int8_x:  # else fp32 or bf16
         run_max = xd.abs().reshape(rows, runs, 32).amax(-1)  # [rows, runs]
@@ -339,7 +342,8 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     rows differ from the exact product, within the quantization's bound; the tail rows
     are exact). Fewer rows: the row products alone (one row: q8's loops of their own),
     exact but for `q8_int8_x`'s at 1-2 rows, which quantize x the same way. `iq4_int8_x`:
-    IQ4's strips likewise, its row products exact at every row count."""
+    IQ4's strips likewise, its row products exact at every row count but with AVX2 alone,
+    where they quantize x at every count."""
     g = torch.Generator().manual_seed(len(fmt))
     n, k = 40, 256
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -362,8 +366,10 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
     )
     # IQ4's: the strips only (its row products look values up in bf16, exact)
     int8_rows = int8_rows or fmt == "iq4_int8_x" and quantized.int8_strips() and rows >= 6
+    every_row = rows < 6 or fmt == "iq4_int8_x" and quantized.int8_pairs()
+    int8_rows = int8_rows or fmt == "iq4_int8_x" and quantized.int8_pairs()
     if int8_rows:
-        approximated = slice(0, 32) if rows >= 6 else slice(0, n)  # strips, or every row
+        approximated = slice(0, n) if every_row else slice(0, 32)  # every row, or strips
         exact = bool(((got - want).abs() <= bound).all(0)[approximated.stop :].all())
         run_max = x.double().abs().reshape(rows, k // 32, 32).amax(-1)
         run_w = values.abs().reshape(n, k // 32, 32).sum(-1)
@@ -382,6 +388,7 @@ def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
     which moves an output by at most sum over runs of (max |x| in the run / 254) * sum
     |d q| over the run (q4's mins and Q6_K's offset multiply x's exact sums); a last pair
     of runs (K % 128 = 64) included. Q5_K's 5-bit rows have no strips: their row products
+    take it at every row count. With AVX2 alone (`int8_pairs`) the K-quants' row products
     take it at every row count. Elsewhere the argument changes nothing."""
     g = torch.Generator().manual_seed(rows)
     n, k = 40, 576 if fmt == "q4" else 512
@@ -399,7 +406,8 @@ def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
         steps = values - _values(fields[2]).double().repeat_interleave(32, 1)  # d q, no min
     exact, got = product(), product(True)
     strips = {"q6_k": 6, "q5_k": None}.get(fmt, 8)
-    if not quantized.int8_strips() or strips is not None and rows >= strips:
+    quantizes = quantized.int8_strips() and (strips is None or rows < strips)
+    if not (quantizes or quantized.int8_pairs() and fmt != "q4"):
         assert torch.equal(got, exact)
         return
     want = x.double() @ values.T
@@ -436,20 +444,22 @@ def test_the_pass_gives_int8_activations_to_k_quants_only():
 
 @pytest.mark.parametrize("fmt", ["q8", "q6_k", "q4", "q4_k", "q5_k", "iq4"])
 @pytest.mark.parametrize("rows", [1, 21])
-def test_products_are_the_same_whichever_thread_takes_a_row(fmt, rows):
+@pytest.mark.parametrize("int8_x", [False, True])
+def test_products_are_the_same_whichever_thread_takes_a_row(fmt, rows, int8_x):
     """The products hand out their rows (and strips) by OpenMP's guided schedule, so which
     thread computes a row changes from call to call and with the team's size: one thread,
-    three (odd shares of 1000 rows) and repeated calls give the same bits."""
+    three (odd shares of 1000 rows) and repeated calls give the same bits, with int8
+    activations allowed too."""
     g = torch.Generator().manual_seed(rows)
     n, k = 1000, 256
     x = torch.randn(rows, k, generator=g).bfloat16()
     if fmt.startswith(("q4", "q5")):
         fields = _q4_fields(g, n, k, 32, fmt == "q4_k", fmt == "q5_k")
-        product = functools.partial(ops.q4_linear, x, *fields, None, torch.float32)
+        product = functools.partial(ops.q4_linear, x, *fields, None, torch.float32, int8_x)
     else:
         fields = _q8_fields(g, n, k, 16 if fmt == "q6_k" else 32, fmt == "q6_k")
         fields = _iq4_fields(g, n, k) if fmt == "iq4" else fields
-        product = functools.partial(ops.q8_linear, x, *fields, None, torch.float32)
+        product = functools.partial(ops.q8_linear, x, *fields, None, torch.float32, int8_x)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -24,8 +24,8 @@
 // AVX512-BF16 but with AVX512-VNNI: activations quantized to int8 per run of 32, as
 // llama.cpp does (a bound tested in tests/test_quantized.py). With AVX2 + FMA and no
 // AVX-512: the fp32 path, its products factored (`row_product_q4_sums`, `row_product_q8`),
-// and Q8_0's 1-2 rows on int8 activations where the caller allows them
-// (`row_product_q8_int8`).
+// and where the caller allows int8 activations Q8_0's 1-2 rows on them
+// (`row_product_q8_int8`) and the K-quants' and IQ4's rows (`row_product_*_pairs`).
 //
 // Like layer_kernels.cpp, each `*_team` function runs on every thread of a parallel region
 // and takes its share of the weight rows (one sequential weight stream a thread), so a CPU
@@ -36,6 +36,7 @@
 //   quant/formats.h          the formats, scale decoding, the row-count constants
 //   quant/rows_fp32.h        fp32 activations (AVX-512; the portable loop elsewhere)
 //   quant/rows_avx2.h        AVX2 + FMA row products (factored; Q8_0's on int8)
+//   quant/rows_avx2_int8.h   AVX2: the K-quants' and IQ4's row products on int8 x
 //   quant/rows_int8_vnni.h   int8 activations on AVX512-VNNI without AVX512-BF16
 //   quant/rows_bf16.h        the exact bf16 row products (q4, Q6_K, q8)
 //   quant/strips_bf16.h      16 weight rows at a time for many rows of x (exact bf16)
@@ -57,6 +58,7 @@ namespace {
 #include "quant/rows_fp32.h"
 
 #include "quant/rows_avx2.h"
+#include "quant/rows_avx2_int8.h"
 
 #include "quant/rows_int8_vnni.h"
 
@@ -215,33 +217,43 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool int8_six = six && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
   const bool x_chunks = (Q4 || six || iq4) && path == Path::bf16 && !int8_q4 && !int8_six;
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8 && !iq4) path = Path::int8;
+  // The K-quants' and IQ4's rows on AVX2 with int8 activations where the caller allows
+  // them (rows_avx2_int8.h): x quantized per pair of runs.
+  const bool avx2_pairs = CC_AVX2_ROWS && path == Path::fp32 && (flags & 32) && K % 64 == 0 &&
+                          (Q4 ? Compact && g == 32 : six ? g == 16 : iq4 && g == 32);
   // q4's fp32 row products on AVX2 take x's sums per group (`row_product_q4_sums`).
-  const bool q4_sums = Q4 && !five && CC_AVX2_ROWS && path == Path::fp32;
+  const bool q4_sums = Q4 && !five && CC_AVX2_ROWS && path == Path::fp32 && !avx2_pairs;
   // Q8_0's row products on AVX2 with int8 activations where the caller allows them (1-2
   // rows, as on AVX512-VNNI): `row_product_q8_int8`.
   const bool avx2_int8 = !Q4 && !Compact && CC_AVX2_ROWS && path == Path::fp32 && bf &&
-                         g == 32 && (flags & 32) && M <= INT8_ROWS_Q8;
+                         g == 32 && (flags & 32) && M <= INT8_ROWS_Q8 && !avx2_pairs;
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
                           : int8_q4 || int8_six ? (K + 127) / 128 * 32 + K / 32 + K / 16
                           : x_chunks ? K / 2 + K / 16
                           : q4_sums ? K / g
+                          : avx2_pairs ? pair_row_floats(K)
                           : avx2_int8 ? K / 4 + K / 32 : 0;
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
   const int64_t groups = K / g;
   const int64_t strip_groups = Q4 ? K / 32 : groups;  // q4's strips scale per run
   const int shift = runs_shift(g);  // q4's runs a group, as a shift
-  const int64_t strip_floats = strips ? K * 8 + 2 * strip_groups * TILE_N + 16 : 0;
+  // More than a block of rows on the pairs' path: strips of 16 decoded weight rows.
+  const bool pair_strips = avx2_pairs && M > MB_MAX && N >= TILE_N;
+  const int64_t strip_floats = strips         ? K * 8 + 2 * strip_groups * TILE_N + 16
+                               : pair_strips ? TILE_N * K / 4 + 8
+                                             : 0;
   // x's rows as unsigned bytes and a scale a run for the int8 strips (IQ4's tail rows
   // take x's chunks beside them)
   const int64_t int8_floats = int8_strips ? M * (K / 4 + K / 32) : 0;
   // Rows unpacked in the row loop (and a strip's 16 before it packs them, into the same
   // buffer): Q6_K's and IQ4's off the bf16 path.
-  const bool unpack = (six || iq4) && path != Path::bf16;
+  const bool unpack = (six || iq4) && path != Path::bf16 && !avx2_pairs;
   auto unpack_row = [&](const char* row, int8_t* out) {
     if (six) unpack_q6_row(reinterpret_cast<const uint8_t*>(row), K, out);
     else unpack_iq4_row(reinterpret_cast<const uint8_t*>(row), K, out);
   };
-  const bool five_rows = five && path != Path::bf16;  // a row's values, then its bytes
+  // a row's values, then its bytes
+  const bool five_rows = five && path != Path::bf16 && !avx2_pairs;
   // x's rows, then per row its path's extra, the int8 strips' x, a strip, compact rows
   // decoded (scales, mins), then 16 rows unpacked to int8 (Q6_K's, IQ4's) or one Q5_K
   // row's values and bytes
@@ -258,6 +270,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #if CC_AVX2_ROWS
   if (q4_sums)
     for (int64_t m = 0; m < M; ++m) group_sums(xf + m * K, K, g, extra + m * per_row);
+  if (avx2_pairs)
+    for (int64_t m = 0; m < M; ++m) quantize_pairs(xf + m * K, K, pair_row(extra + m * per_row, K));
   // a row's int8 values (K bytes), then its scale a run
   auto x_int8 = [&](int64_t m) { return reinterpret_cast<int8_t*>(extra + m * per_row); };
   auto x_scales = [&](int64_t m) { return extra + m * per_row + K / 4; };
@@ -301,6 +315,52 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       quantize_chunks(static_cast<const bf16*>(x) + m * K, K, int8_chunks(m), int8_six);
 #endif
   int64_t tiled = 0;  // rows [0, tiled) of w go by strips
+#if CC_AVX2_ROWS
+  // The pairs' path (rows_avx2_int8.h): f called with weight row n's codes reader, and
+  // the products of mb rows of x from m0 against row n, its codes read by `codes`.
+  auto with_pair_codes = [&](int64_t n, auto f) {
+    const uint8_t* wq = static_cast<const uint8_t*>(w) + n * row_bytes;
+    if constexpr (Q4) {
+      if (five) f(Q5Codes{wq});
+      else f(Q4Codes{wq});
+    } else if constexpr (Compact) {
+      f(Q6Codes{wq});
+    } else {
+      f(Iq4Codes{wq});
+    }
+  };
+  auto pair_products = [&](int64_t n, auto codes, int64_t m0, int64_t mb, float* out) {
+    PairRow rm[MB_MAX];
+    for (int64_t m = 0; m < mb; ++m) rm[m] = pair_row(extra + (m0 + m) * per_row, K);
+    if constexpr (Q4 && Compact) {
+      const auto sc = compact8<true>(scales, groups, n), mn = compact8<true>(mins, groups, n);
+      CC_BY_ROWS(mb, row_product_q4_pairs<MB>(rm, K, codes, sc, mn, out));
+    } else if constexpr (Compact) {
+      CC_BY_ROWS(mb, row_product_q6_pairs<MB>(rm, K, codes, compact8<false>(scales, groups, n),
+                                              out));
+    } else if constexpr (!Q4 && std::is_same_v<S, float>) {
+      CC_BY_ROWS(mb, row_product_iq4_pairs<MB>(rm, K, codes, scales + n * groups, out));
+    }
+  };
+  if constexpr (std::is_same_v<S, float>) {
+    if (pair_strips) {
+      tiled = N / TILE_N * TILE_N;
+      int8_t* buf = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(strip_at) + 31) &
+                                              ~uintptr_t(31));
+#pragma omp for schedule(guided) nowait
+      for (int64_t strip = 0; strip < N / TILE_N; ++strip) {
+        const int64_t n0 = strip * TILE_N;
+        pairs_strip(
+            K, M, buf, [&](int r, auto f) { with_pair_codes(n0 + r, f); },
+            [&](int r, auto codes, int64_t m0, int64_t mb) {
+              float out[MB_MAX];
+              pair_products(n0 + r, codes, m0, mb, out);
+              store(y, flags, bias, N, n0 + r, m0, mb, out);
+            });
+      }
+    }
+  }
+#endif
 #if CC_INT8_STRIPS
   if constexpr (!Q4) {
     if (int8_strips) {
@@ -405,7 +465,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // Rows handed out by OpenMP's guided schedule (`guided_rows`): each thread streams a
   // few runs of rows, the first ones half and a quarter of the product.
   // Compact fields on the bf16 path are read in place (`CompactPtr`), elsewhere decoded.
-  const bool in_place = Compact && CC_BF16_PATH && path == Path::bf16;
+  const bool in_place = Compact && ((CC_BF16_PATH && path == Path::bf16) || avx2_pairs);
 #pragma omp for schedule(guided, guided_rows(row_bytes)) nowait
   for (int64_t n = tiled; n < N; ++n) {
     const char* wrow = static_cast<const char*>(w) + n * row_bytes;
@@ -516,6 +576,13 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       }
 #endif
 #if CC_AVX2_ROWS  // factored products (`row_product_q4_sums`, `row_product_q8`)
+      if constexpr (std::is_same_v<S, float>) {
+        if (avx2_pairs) {
+          with_pair_codes(n, [&](auto codes) { pair_products(n, codes, m0, mb, out); });
+          store(y, flags, bias, N, n, m0, mb, out);
+          continue;
+        }
+      }
       if constexpr (Q4) {
         const float* sums = extra + m0 * per_row;
         const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
@@ -584,6 +651,10 @@ int64_t quant_kernels_vectorized() {
 
 // Whether Q8_0's strips can take int8 activations here (flags bit 5 asks for it).
 int64_t quant_kernels_int8_strips() { return CC_INT8_STRIPS; }
+
+// Whether the K-quants' and IQ4's row products take int8 activations where flags bit 5
+// allows them, at every row count (AVX2: rows_avx2_int8.h).
+int64_t quant_kernels_int8_pairs() { return CC_AVX2_ROWS; }
 
 // Rows up to which Q8_0's row products take int8 activations where the caller allows them
 // (AVX512-VNNI with AVX512-BF16, or AVX2); 0 where none do.

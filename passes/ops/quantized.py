@@ -78,6 +78,12 @@ AMX_DENSE_ROWS = 128
 # The fp32 path (AVX2 + FMA): q8's row products lose to MKL's fp32 GEMM on the dequantized
 # weight from 32-64 rows (1536x576: 0.68x at 64 rows, 0.57x at 128), q4's break even at 64.
 FP32_ROWS = MappingProxyType({4: 32, 8: 32})
+# The K-quants' and IQ4's row products on int8 activations there (`int8_pairs`; many rows
+# in strips of 16 decoded weight rows) against that GEMM, 1.7B shapes, 2 threads: Q4_K
+# 2.25x / 1.75x / 1.21x at 64 / 128 / 512 rows, Q5_K 1.71x / 1.12x at 128 / 512; Q6_K
+# 1.33x / 1.06x / 0.92x at 64 / 128 / 256, IQ4 1.54x / 1.50x / 1.14x / 0.97x at 64 / 128 /
+# 256 / 512 (None: no limit).
+PAIRS_ROWS = MappingProxyType({4: None, 8: 128})
 
 
 def expand_compact(field: torch.Tensor) -> torch.Tensor:
@@ -159,7 +165,8 @@ def _kernel() -> ctypes.CDLL | None:
         ("q4_linear_team(i64 x11)", "q4_linear_region(i64 x12)", "q8_linear_team(i64 x10)",
          "q8_linear_region(i64 x11)", "quant_kernels_path(i64 x4) -> i64",
          "quant_kernels_int8_rows() -> i64", "quant_kernels_invariant_rows() -> i64",
-         "quant_kernels_amx_tiles() -> i64", "dequantize_q4_region(i64 x9)",
+         "quant_kernels_amx_tiles() -> i64", "quant_kernels_int8_pairs() -> i64",
+         "dequantize_q4_region(i64 x9)",
          "dequantize_q8_region(i64 x8)"),
     )  # fmt: skip
 
@@ -273,6 +280,14 @@ def int8_rows() -> int:
     return 0 if lib is None else int(lib.quant_kernels_int8_rows())
 
 
+def int8_pairs() -> bool:
+    """Whether the K-quants' (Q4_K, Q5_K, Q6_K) and IQ4's row products quantize activations
+    where `int8_x` allows them at every row count they take, AVX2's way (no AVX-512:
+    quant/rows_avx2_int8.h; K a multiple of 64)."""
+    lib = _kernel()
+    return lib is not None and bool(lib.quant_kernels_int8_pairs())
+
+
 @functools.cache
 def amx_tiles() -> bool:
     """Whether exact products of 3-64 bf16 rows take AMX tiles here (quant/tiles_amx.h:
@@ -302,13 +317,15 @@ def _invariant_dense(x: torch.Tensor, bits: int, scales: torch.Tensor) -> bool:
     )
 
 
-def _few_enough_rows(x: torch.Tensor, bits: int, group: int, int8_x: bool) -> bool:
+def _few_enough_rows(x: torch.Tensor, w: torch.Tensor, bits: int, group: int, int8_x: bool) -> bool:
     exact = x.dtype == torch.bfloat16 and _bf16_path(bits, x.shape[-1], group)
     limit = BF16_ROWS[bits] if exact else MAX_KERNEL_ROWS[bits]
     if exact and bits == 8 and int8_x and has_amx():  # exact products keep the strips
         limit = AMX_DENSE_ROWS - 1
     if kernel_path() == "fp32":
-        limit = FP32_ROWS[bits]
+        # int8 x on q4 is the K-quants' (`q4_int8_x`); q8's uint8 rows are Q6_K's or IQ4's
+        pairs = int8_x and (bits == 4 or w.dtype == torch.uint8) and int8_pairs()
+        limit = PAIRS_ROWS[bits] if pairs and x.shape[-1] % 64 == 0 else FP32_ROWS[bits]
     return limit is None or x.shape[0] <= limit
 
 
@@ -325,7 +342,7 @@ def _product_call(
     if (
         x.dim() != 2
         or x.shape[-1] % groups
-        or not (invariant or _few_enough_rows(x, bits, x.shape[-1] // groups, bool(int8_x)))
+        or not (invariant or _few_enough_rows(x, w, bits, x.shape[-1] // groups, bool(int8_x)))
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)

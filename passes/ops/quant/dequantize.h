@@ -25,7 +25,28 @@ inline void dequantize_row(const void* wrow, const S* s, const S* mn, int64_t K,
         _mm512_storeu_ps(out + k, q8_16(static_cast<const int8_t*>(wrow) + k, scale));
     }
 #else
-    for (int64_t k = k0; k < k0 + g; ++k) {
+    int64_t k = k0;
+#if defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+    if constexpr (Q4) {
+      for (; k + 32 <= k0 + g; k += 32)
+        for (int h = 0; h < 2; ++h) {  // bytes 8h..: values 8h.. (low), 16 + 8h.. (high)
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+              reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(wrow) + k / 2 + 8 * h)));
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          _mm256_storeu_ps(out + k + 8 * h, _mm256_fmadd_ps(lo, scale, mv));
+          _mm256_storeu_ps(out + k + 16 + 8 * h, _mm256_fmadd_ps(hi, scale, mv));
+        }
+    } else {
+      for (; k + 8 <= k0 + g; k += 8) {
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(wrow) + k)));
+        _mm256_storeu_ps(out + k, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale));
+      }
+    }
+#endif
+    for (; k < k0 + g; ++k) {
       if constexpr (Q4) {
         const uint8_t byte = static_cast<const uint8_t*>(wrow)[(k / 32) * 16 + (k % 16)];
         out[k] = float((k % 32) < 16 ? byte & 15 : byte >> 4) * d + m;

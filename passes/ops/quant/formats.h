@@ -75,6 +75,18 @@ inline __m512 scales16(CompactPtr<Q4> p, __mmask16 live) {
 #else
 #define CC_COMPACT16 0
 #endif
+#if !CC_COMPACT16 && defined(__AVX2__)
+// 8 groups from a multiple of 8 (AVX2): one super-block of Q4_K's, half of Q6_K's.
+template <bool Q4>
+inline __m256 scales8(CompactPtr<Q4> p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.sub + p.at));
+  const __m256 sub =
+      _mm256_cvtepi32_ps(Q4 ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes));
+  float d;
+  std::memcpy(&d, p.super + p.at / CompactPtr<Q4>::PER_SUPER * 4, sizeof d);
+  return _mm256_mul_ps(sub, _mm256_set1_ps(d));
+}
+#endif
 
 // Rows [n, n + count) decoded into buf as fp32 [count, groups].
 template <bool Q4>
@@ -90,6 +102,8 @@ struct CompactScales {
       int64_t gi = 0;
 #if CC_COMPACT16
       for (; gi + 16 <= groups; gi += 16) _mm512_storeu_ps(out + gi, scales16(p + gi, 0xffff));
+#elif defined(__AVX2__)
+      for (; gi + 8 <= groups; gi += 8) _mm256_storeu_ps(out + gi, scales8(p + gi));
 #endif
       for (; gi < groups; ++gi) out[gi] = p[gi];
     }
@@ -152,6 +166,29 @@ inline int runs_shift(int64_t g) {
   return shift;
 }
 
+#if defined(__AVX2__)
+// Half h of a Q6_K chunk (its nibble bytes 32h .. 32h + 31: runs 2h, 2h + 1) as u (0-63):
+// lo holds the two runs' values 0-15, hi their values 16-31; top bits 0-1 and 4-5 of the
+// chunk's top bytes for h = 0, 2-3 and 6-7 for h = 1.
+inline void q6_half(const uint8_t* chunk, int h, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+  const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 64));
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * h));
+  const __m256i t_lo = h ? _mm256_slli_epi16(t, 2) : _mm256_slli_epi16(t, 4);
+  const __m256i t_hi = h ? _mm256_srli_epi16(t, 2) : t;
+  lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(t_lo, top));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                       _mm256_and_si256(t_hi, top));
+}
+
+// lo, hi as q6_half leaves them -> the two runs in order at out (64 values).
+inline void store_runs(__m256i lo, __m256i hi, int8_t* out) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(lo, hi, 0x20));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32),
+                      _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+#endif
+
 // Q6_K's 6-bit rows (passes/ops/quantized.py `pack_q6` writes them): per chunk of 128
 // values, 64 bytes of low nibbles in q4's order (nibble byte b = 16r + j: run r's value j
 // low, j + 16 high), then 32 bytes of the values' top two bits, top byte b % 32 holding
@@ -160,6 +197,16 @@ inline int runs_shift(int64_t g) {
 // in place (`row_product_q6_bf16`, `row_product_q6_int8`); the other paths read rows
 // unpacked to int8 by this.
 inline void unpack_q6_row(const uint8_t* w, int64_t K, int8_t* out) {
+#if defined(__AVX2__)
+  const __m256i offset = _mm256_set1_epi8(32);
+  for (int64_t c = 0; c < K / 128; ++c)
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo, hi;
+      q6_half(w + c * 96, h, lo, hi);
+      store_runs(_mm256_sub_epi8(lo, offset), _mm256_sub_epi8(hi, offset), out + c * 128 + h * 64);
+    }
+  return;
+#endif
   for (int64_t c = 0; c < K / 128; ++c) {
     const uint8_t *nib = w + c * 96, *top = nib + 64;
     int8_t* o = out + c * 128;
@@ -193,6 +240,32 @@ inline void unpack_q5_row(const uint8_t* w, int64_t K, uint8_t* out) {
     }
   }
 }
+
+#if defined(__AVX2__)
+// Q5_K's fifth bits for half h of a chunk (its nibble bytes 32h .. 32h + 31) as 16 in the
+// bytes of its low and its high values: mask e (e = 0, 1) holds nibble byte 2i + e's low
+// value's in bit i, mask 2 + e its high value's (`unpack_q5_row`). The four masks in both
+// lanes; byte b takes mask b % 2's byte 2h + b / 16 (high values: + 8) and tests bit b / 2
+// % 8 of it.
+inline void fifth_bits(const uint8_t* masks, int h, __m256i& lo, __m256i& hi) {
+  const __m256i m =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(masks)));
+  const __m256i pick = _mm256_add_epi8(
+      _mm256_setr_epi8(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4,  //
+                       1, 5, 1, 5, 1, 5, 1, 5, 1, 5, 1, 5, 1, 5, 1, 5),
+      _mm256_set1_epi8(char(2 * h)));
+  const __m256i bit = _mm256_setr_epi8(1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64, -128,
+                                       -128, 1, 1, 2, 2, 4, 4, 8, 8, 16, 16, 32, 32, 64, 64,
+                                       -128, -128);
+  const __m256i sixteen = _mm256_set1_epi8(16);
+  const __m256i l = _mm256_and_si256(_mm256_shuffle_epi8(m, pick), bit);
+  const __m256i u = _mm256_and_si256(
+      _mm256_shuffle_epi8(m, _mm256_add_epi8(pick, _mm256_set1_epi8(8))), bit);
+  lo = _mm256_and_si256(_mm256_cmpeq_epi8(l, bit), sixteen);
+  hi = _mm256_and_si256(_mm256_cmpeq_epi8(u, bit), sixteen);
+}
+
+#endif
 
 // A Q5_K row's values in fp32 as the reference computes them (scale * u exact, the min
 // added with one rounding; g = 32): `u` holds the row unpacked. With AVX-512 a chunk's
@@ -229,6 +302,32 @@ inline void dequantize_q5_row(const uint8_t* w, const float* s, const float* mn,
     }
     return;
   }
+#elif defined(__AVX2__)
+  if (g == 32) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t c = 0; c < K / 128; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* chunk = w + c * Q5_CHUNK_BYTES;
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * h));
+        __m256i lo5, hi5;
+        fifth_bits(chunk + 64, h, lo5, hi5);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), lo5);
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), hi5);
+        alignas(32) uint8_t runs[64];  // runs 4c + 2h and 4c + 2h + 1 in order
+        store_runs(lo, hi, reinterpret_cast<int8_t*>(runs));
+        for (int r = 0; r < 2; ++r) {
+          const int64_t gi = c * 4 + 2 * h + r;
+          const __m256 d = _mm256_set1_ps(s[gi]), m = _mm256_set1_ps(mn[gi]);
+          for (int e = 0; e < 4; ++e) {
+            const __m128i bytes =
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(runs + 32 * r + 8 * e));
+            const __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+            _mm256_storeu_ps(out + gi * 32 + 8 * e, _mm256_fmadd_ps(values, d, m));
+          }
+        }
+      }
+    return;
+  }
 #endif
   unpack_q5_row(w, K, u);
   for (int64_t k = 0; k < K; ++k) out[k] = float(u[k]) * s[k / g] + mn[k / g];
@@ -256,6 +355,16 @@ inline void unpack_iq4_row(const uint8_t* w, int64_t K, int8_t* out) {
     const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
     _mm512_storeu_si512(out + run * 32, _mm512_permutex2var_epi64(lo, first, hi));
     _mm512_storeu_si512(out + run * 32 + 64, _mm512_permutex2var_epi64(lo, second, hi));
+  }
+#elif defined(__AVX2__)
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(
+      reinterpret_cast<const __m128i*>(IQ4_VALUES)));
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (; run + 2 <= K / 32; run += 2) {  // 2 runs: 32 bytes of indices
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + run * 16));
+    store_runs(_mm256_shuffle_epi8(table, _mm256_and_si256(v, low)),
+               _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low)),
+               out + run * 32);
   }
 #endif
   for (; run < K / 32; ++run)
