@@ -25,7 +25,7 @@
 // llama.cpp does (a bound tested in tests/test_quantized.py). With AVX2 + FMA and no
 // AVX-512: the fp32 path, its products factored (`row_product_q4_sums`, `row_product_q8`),
 // and where the caller allows int8 activations Q8_0's 1-2 rows on them
-// (`row_product_q8_int8`) and the K-quants' and IQ4's rows (`row_product_*_pairs`).
+// (`row_product_q8_int8`), its other rows and the K-quants' and IQ4's (`*_pairs`).
 //
 // Like layer_kernels.cpp, each `*_team` function runs on every thread of a parallel region
 // and takes its share of the weight rows (one sequential weight stream a thread), so a CPU
@@ -36,7 +36,7 @@
 //   quant/formats.h          the formats, scale decoding, the row-count constants
 //   quant/rows_fp32.h        fp32 activations (AVX-512; the portable loop elsewhere)
 //   quant/rows_avx2.h        AVX2 + FMA row products (factored; Q8_0's on int8)
-//   quant/rows_avx2_int8.h   AVX2: the K-quants' and IQ4's row products on int8 x
+//   quant/rows_avx2_int8.h   AVX2: the K-quants', IQ4's, Q8_0's row products on int8 x
 //   quant/rows_int8_vnni.h   int8 activations on AVX512-VNNI without AVX512-BF16
 //   quant/rows_bf16.h        the exact bf16 row products (q4, Q6_K, q8)
 //   quant/strips_bf16.h      16 weight rows at a time for many rows of x (exact bf16)
@@ -219,8 +219,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8 && !iq4) path = Path::int8;
   // The K-quants' and IQ4's rows on AVX2 with int8 activations where the caller allows
   // them (rows_avx2_int8.h): x quantized per pair of runs.
+  // Q8_0's above the rows its own int8 row products take (`row_product_q8_int8`).
+  const bool q8_0 = !Q4 && !Compact && !iq4 && std::is_same_v<S, f16> && g == 32;
   const bool avx2_pairs = CC_AVX2_ROWS && path == Path::fp32 && (flags & 32) && K % 64 == 0 &&
-                          (Q4 ? Compact && g == 32 : six ? g == 16 : iq4 && g == 32);
+                          (Q4 ? Compact && g == 32
+                           : six ? g == 16
+                                 : (iq4 && g == 32) || (q8_0 && M > INT8_ROWS_Q8));
   // q4's fp32 row products on AVX2 take x's sums per group (`row_product_q4_sums`).
   const bool q4_sums = Q4 && !five && CC_AVX2_ROWS && path == Path::fp32 && !avx2_pairs;
   // Q8_0's row products on AVX2 with int8 activations where the caller allows them (1-2
@@ -325,6 +329,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       else f(Q4Codes{wq});
     } else if constexpr (Compact) {
       f(Q6Codes{wq});
+    } else if constexpr (std::is_same_v<S, f16>) {
+      f(Q8Codes{reinterpret_cast<const int8_t*>(wq)});
     } else {
       f(Iq4Codes{wq});
     }
@@ -338,26 +344,24 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     } else if constexpr (Compact) {
       CC_BY_ROWS(mb, row_product_q6_pairs<MB>(rm, K, codes, compact8<false>(scales, groups, n),
                                               out));
-    } else if constexpr (!Q4 && std::is_same_v<S, float>) {
-      CC_BY_ROWS(mb, row_product_iq4_pairs<MB>(rm, K, codes, scales + n * groups, out));
+    } else if constexpr (!Q4) {
+      CC_BY_ROWS(mb, row_product_signed_pairs<MB>(rm, K, codes, scales + n * groups, out));
     }
   };
-  if constexpr (std::is_same_v<S, float>) {
-    if (pair_strips) {
-      tiled = N / TILE_N * TILE_N;
-      int8_t* buf = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(strip_at) + 31) &
-                                              ~uintptr_t(31));
+  if (pair_strips) {
+    tiled = N / TILE_N * TILE_N;
+    int8_t* buf = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(strip_at) + 31) &
+                                            ~uintptr_t(31));
 #pragma omp for schedule(guided) nowait
-      for (int64_t strip = 0; strip < N / TILE_N; ++strip) {
-        const int64_t n0 = strip * TILE_N;
-        pairs_strip(
-            K, M, buf, [&](int r, auto f) { with_pair_codes(n0 + r, f); },
-            [&](int r, auto codes, int64_t m0, int64_t mb) {
-              float out[MB_MAX];
-              pair_products(n0 + r, codes, m0, mb, out);
-              store(y, flags, bias, N, n0 + r, m0, mb, out);
-            });
-      }
+    for (int64_t strip = 0; strip < N / TILE_N; ++strip) {
+      const int64_t n0 = strip * TILE_N;
+      pairs_strip(
+          K, M, buf, [&](int r, auto f) { with_pair_codes(n0 + r, f); },
+          [&](int r, auto codes, int64_t m0, int64_t mb) {
+            float out[MB_MAX];
+            pair_products(n0 + r, codes, m0, mb, out);
+            store(y, flags, bias, N, n0 + r, m0, mb, out);
+          });
     }
   }
 #endif
@@ -576,12 +580,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       }
 #endif
 #if CC_AVX2_ROWS  // factored products (`row_product_q4_sums`, `row_product_q8`)
-      if constexpr (std::is_same_v<S, float>) {
-        if (avx2_pairs) {
-          with_pair_codes(n, [&](auto codes) { pair_products(n, codes, m0, mb, out); });
-          store(y, flags, bias, N, n, m0, mb, out);
-          continue;
-        }
+      if (avx2_pairs) {
+        with_pair_codes(n, [&](auto codes) { pair_products(n, codes, m0, mb, out); });
+        store(y, flags, bias, N, n, m0, mb, out);
+        continue;
       }
       if constexpr (Q4) {
         const float* sums = extra + m0 * per_row;
@@ -652,8 +654,9 @@ int64_t quant_kernels_vectorized() {
 // Whether Q8_0's strips can take int8 activations here (flags bit 5 asks for it).
 int64_t quant_kernels_int8_strips() { return CC_INT8_STRIPS; }
 
-// Whether the K-quants' and IQ4's row products take int8 activations where flags bit 5
-// allows them, at every row count (AVX2: rows_avx2_int8.h).
+// Whether the K-quants', IQ4's and Q8_0's row products take int8 activations where flags
+// bit 5 allows them, at every row count (AVX2: rows_avx2_int8.h; Q8_0's 1-2 rows by
+// `row_product_q8_int8`).
 int64_t quant_kernels_int8_pairs() { return CC_AVX2_ROWS; }
 
 // Rows up to which Q8_0's row products take int8 activations where the caller allows them

@@ -78,11 +78,11 @@ AMX_DENSE_ROWS = 128
 # The fp32 path (AVX2 + FMA): q8's row products lose to MKL's fp32 GEMM on the dequantized
 # weight from 32-64 rows (1536x576: 0.68x at 64 rows, 0.57x at 128), q4's break even at 64.
 FP32_ROWS = MappingProxyType({4: 32, 8: 32})
-# The K-quants' and IQ4's row products on int8 activations there (`int8_pairs`; many rows
-# in strips of 16 decoded weight rows) against that GEMM, 1.7B shapes, 2 threads: Q4_K
-# 2.25x / 1.75x / 1.21x at 64 / 128 / 512 rows, Q5_K 1.71x / 1.12x at 128 / 512; Q6_K
-# 1.33x / 1.06x / 0.92x at 64 / 128 / 256, IQ4 1.54x / 1.50x / 1.14x / 0.97x at 64 / 128 /
-# 256 / 512 (None: no limit).
+# The K-quants', IQ4's and Q8_0's row products on int8 activations there (`int8_pairs`;
+# many rows in strips of 16 decoded weight rows) against that GEMM, 1.7B shapes, 2
+# threads: Q4_K 2.25x / 1.75x / 1.21x at 64 / 128 / 512 rows, Q5_K 1.71x / 1.12x at 128 /
+# 512; Q6_K 1.33x / 1.06x / 0.92x at 64 / 128 / 256, IQ4 1.54x / 1.50x / 1.14x / 0.97x at
+# 64 / 128 / 256 / 512, Q8_0 2.49x / 1.64x / 1.18x at 64 / 128 / 512 (None: no limit).
 PAIRS_ROWS = MappingProxyType({4: None, 8: 128})
 
 
@@ -281,9 +281,9 @@ def int8_rows() -> int:
 
 
 def int8_pairs() -> bool:
-    """Whether the K-quants' (Q4_K, Q5_K, Q6_K) and IQ4's row products quantize activations
-    where `int8_x` allows them at every row count they take, AVX2's way (no AVX-512:
-    quant/rows_avx2_int8.h; K a multiple of 64)."""
+    """Whether the K-quants' (Q4_K, Q5_K, Q6_K), IQ4's and Q8_0's row products quantize
+    activations where `int8_x` allows them at every row count they take, AVX2's way (no
+    AVX-512: quant/rows_avx2_int8.h; K a multiple of 64)."""
     lib = _kernel()
     return lib is not None and bool(lib.quant_kernels_int8_pairs())
 
@@ -323,8 +323,10 @@ def _few_enough_rows(x: torch.Tensor, w: torch.Tensor, bits: int, group: int, in
     if exact and bits == 8 and int8_x and has_amx():  # exact products keep the strips
         limit = AMX_DENSE_ROWS - 1
     if kernel_path() == "fp32":
-        # int8 x on q4 is the K-quants' (`q4_int8_x`); q8's uint8 rows are Q6_K's or IQ4's
-        pairs = int8_x and (bits == 4 or w.dtype == torch.uint8) and int8_pairs()
+        # int8 x on q4 is the K-quants' (`q4_int8_x`); on q8 Q8_0's and IQ4's (groups of
+        # 32) and Q6_K's (16, packed in bytes)
+        q6_k = group == 16 and w.dtype == torch.uint8
+        pairs = int8_x and (bits == 4 or group == 32 or q6_k) and int8_pairs()
         limit = PAIRS_ROWS[bits] if pairs and x.shape[-1] % 64 == 0 else FP32_ROWS[bits]
     return limit is None or x.shape[0] <= limit
 

@@ -1,6 +1,7 @@
 // Part of quant_kernels.cpp, which includes it inside its anonymous namespace (the build
-// inlines the text: passes/native.py `op_source`); the K-quants' and IQ4's row products on
-// int8 activations with AVX2 (no AVX-512), where the caller allows them (flags bit 5).
+// inlines the text: passes/native.py `op_source`); the K-quants', IQ4's and Q8_0's row
+// products on int8 activations with AVX2 (no AVX-512), where the caller allows them (flags
+// bit 5).
 
 // As llama.cpp multiplies these formats on AVX2: x quantized per run of 32 against
 // max |x| / 127 (`quantize_run8`, as the AVX-512 paths' `quantize_run`), the weights'
@@ -91,6 +92,15 @@ struct Iq4Codes {
     Q4Codes{w}(p, lo, hi);
     lo = _mm256_shuffle_epi8(table, lo);
     hi = _mm256_shuffle_epi8(table, hi);
+  }
+};
+struct Q8Codes {  // Q8_0's bytes, two runs in order
+  const int8_t* w;
+  void operator()(int64_t p, __m256i& lo, __m256i& hi) const {
+    const __m256i* at = reinterpret_cast<const __m256i*>(w + 64 * p);
+    const __m256i a = _mm256_loadu_si256(at), b = _mm256_loadu_si256(at + 1);
+    lo = _mm256_permute2x128_si256(a, b, 0x20);
+    hi = _mm256_permute2x128_si256(a, b, 0x31);
   }
 };
 struct Decoded {
@@ -184,12 +194,23 @@ inline void row_product_q6_pairs(const PairRow* rows, int64_t K, Codes codes,
     out[m] = hsum8(_mm256_fmadd_ps(offset[m], minus32, _mm256_add_ps(acc[m], odd[m])));
 }
 
-// IQ4's values (signed) on int8 x: their magnitudes the unsigned operand, their signs moved
-// onto x (as `row_product_q8_int8`; a pair's products < 2^15: 127 x 127 x 2); fp32 scales
-// a run.
-template <int MB, typename Codes>
-inline void row_product_iq4_pairs(const PairRow* rows, int64_t K, Codes codes, const float* s,
-                                  float* out) {
+// A run's two scales as [a x4 | b x4]: IQ4's fp32, Q8_0's fp16.
+inline __m256 two_scales(const float* s) {
+  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
+  return lanes(_mm256_castps128_ps256(two), 0, 1);
+}
+inline __m256 two_scales(const f16* s) {
+  uint32_t bits;
+  std::memcpy(&bits, s, sizeof bits);
+  return lanes(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(int(bits)))), 0, 1);
+}
+
+// Signed values (IQ4's table values, Q8_0's bytes) on int8 x: their magnitudes the
+// unsigned operand, their signs moved onto x (as `row_product_q8_int8`; a pair's products
+// < 2^15: 127 x 127 x 2); a scale a run.
+template <int MB, typename Codes, typename S>
+inline void row_product_signed_pairs(const PairRow* rows, int64_t K, Codes codes, const S* s,
+                                     float* out) {
   __m256 acc[MB_MAX];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
@@ -197,8 +218,7 @@ inline void row_product_iq4_pairs(const PairRow* rows, int64_t K, Codes codes, c
     __m256i w_lo, w_hi;
     codes(p, w_lo, w_hi);
     const __m256i a_lo = _mm256_abs_epi8(w_lo), a_hi = _mm256_abs_epi8(w_hi);
-    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s + 2 * p)));
-    const __m256 d = lanes(_mm256_castps128_ps256(two), 0, 1);
+    const __m256 d = two_scales(s + 2 * p);
     for (int m = 0; m < MB; ++m) {
       const __m256i* xq = reinterpret_cast<const __m256i*>(rows[m].q + 64 * p);
       const __m256i lo =
