@@ -217,9 +217,9 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool int8_six = six && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
   const bool x_chunks = (Q4 || six || iq4) && path == Path::bf16 && !int8_q4 && !int8_six;
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8 && !iq4) path = Path::int8;
-  // The K-quants' and IQ4's rows on AVX2 with int8 activations where the caller allows
-  // them (rows_avx2_int8.h): x quantized per pair of runs.
-  // Q8_0's above the rows its own int8 row products take (`row_product_q8_int8`).
+  // The K-quants', IQ4's and Q8_0's rows on AVX2 with int8 activations where the caller
+  // allows them (rows_avx2_int8.h: x quantized per pair of runs); Q8_0's above the rows
+  // its own int8 row products take (`row_product_q8_int8`).
   const bool q8_0 = !Q4 && !Compact && !iq4 && std::is_same_v<S, f16> && g == 32;
   const bool avx2_pairs = CC_AVX2_ROWS && path == Path::fp32 && (flags & 32) && K % 64 == 0 &&
                           (Q4 ? Compact && g == 32

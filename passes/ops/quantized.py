@@ -79,11 +79,13 @@ AMX_DENSE_ROWS = 128
 # weight from 32-64 rows (1536x576: 0.68x at 64 rows, 0.57x at 128), q4's break even at 64.
 FP32_ROWS = MappingProxyType({4: 32, 8: 32})
 # The K-quants', IQ4's and Q8_0's row products on int8 activations there (`int8_pairs`;
-# many rows in strips of 16 decoded weight rows) against that GEMM, 1.7B shapes, 2
-# threads: Q4_K 2.25x / 1.75x / 1.21x at 64 / 128 / 512 rows, Q5_K 1.71x / 1.12x at 128 /
-# 512; Q6_K 1.33x / 1.06x / 0.92x at 64 / 128 / 256, IQ4 1.54x / 1.50x / 1.14x / 0.97x at
-# 64 / 128 / 256 / 512, Q8_0 2.49x / 1.64x / 1.18x at 64 / 128 / 512 (None: no limit).
-PAIRS_ROWS = MappingProxyType({4: None, 8: 128})
+# many rows in strips of 16 decoded weight rows) take every row count: against that GEMM
+# on the 1.7B's shapes (2 threads) Q4_K 2.25x / 1.75x / 1.21x at 64 / 128 / 512 rows, Q8_0
+# 2.49x / 1.64x / 1.18x, Q6_K 1.33x / 1.06x / 0.92x at 64 / 128 / 256, IQ4 0.97x at 512
+# alone; in the model, where the dense copy's scratch and x's conversion count too, a
+# 512-token prefill with Q6_K, IQ4 and Q8_0 on them past 128 rows ran 1.06x (Q4_K_M
+# file), 1.18x (Q8_0) and 1.34x (IQ4_XS) their dense copies (NOTES 65).
+PAIRS_ROWS = MappingProxyType({4: None, 8: None})  # None: no limit
 
 
 def expand_compact(field: torch.Tensor) -> torch.Tensor:
