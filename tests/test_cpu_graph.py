@@ -274,7 +274,10 @@ def test_a_hook_that_records_no_kernel_yields_no_graph_and_the_right_tokens(
                                  allowed_token_ids=[PROMPT[0]])  # fmt: skip
             assert llm.generate([PROMPT], one, use_tqdm=False)[0].outputs[0].token_ids == [
                 PROMPT[0]] * 4  # fmt: skip
-            assert llm.llm_engine.runner.cpu_graphs[1] is not None  # replayed, still checked
+            # Replayed, still checked; or refused already where an unrecorded kernel reads
+            # the position (RoPE in Inductor's code: CPUs without the AVX-512 layer kernels)
+            if llm.llm_engine.runner.cpu_graphs[1] is None:
+                assert "first replay differs" in caplog.text
         got = _tokens(llm)
     assert llm.llm_engine.runner.cpu_graphs[1] is None
     assert f"torch {torch.__version__}" in caplog.text
