@@ -27,7 +27,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(autouse=True)
 def short_timeout(monkeypatch):
-    monkeypatch.setenv("COMPILECORE_DIST_TIMEOUT", "20")
+    # 60 s: on a slowed 2-core box two xdist workers started ranks past 20 s (NOTES 65)
+    monkeypatch.setenv("COMPILECORE_DIST_TIMEOUT", "60")
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +167,7 @@ def test_killed_worker_fails_fast_and_leaves_no_process(tiny_llama):
     with pytest.raises(WorkerError, match="rank 1 failed"):
         for _ in range(50):  # keep generating until the dead rank is noticed
             llm.generate([list(range(3, 40))] * 4, long, use_tqdm=False)
-    assert time.monotonic() - start < 40  # bounded by COMPILECORE_DIST_TIMEOUT (20 s)
+    assert time.monotonic() - start < 100  # bounded by COMPILECORE_DIST_TIMEOUT (60 s)
     assert not procs[0].is_alive()
     assert not torch.distributed.is_initialized()
     again = LLM(str(tiny_llama[0]), enforce_eager=True)  # the process can serve again
