@@ -27,7 +27,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture(autouse=True)
 def short_timeout(monkeypatch):
-    # 60 s: on a slowed 2-core box two xdist workers started ranks past 20 s (NOTES 65)
+    # 60 s: on a slowed 2-core box two xdist workers started ranks past 20 s
     monkeypatch.setenv("COMPILECORE_DIST_TIMEOUT", "60")
 
 
