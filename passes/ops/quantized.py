@@ -84,7 +84,7 @@ FP32_ROWS = MappingProxyType({4: 32, 8: 32})
 # 2.49x / 1.64x / 1.18x, Q6_K 1.33x / 1.06x / 0.92x at 64 / 128 / 256, IQ4 0.97x at 512
 # alone; in the model, where the dense copy's scratch and x's conversion count too, a
 # 512-token prefill with Q6_K, IQ4 and Q8_0 on them past 128 rows ran 1.06x (Q4_K_M
-# file), 1.18x (Q8_0) and 1.34x (IQ4_XS) their dense copies (NOTES 65).
+# file), 1.18x (Q8_0) and 1.34x (IQ4_XS) their dense copies (docs/quantization.md).
 PAIRS_ROWS = MappingProxyType({4: None, 8: None})  # None: no limit
 
 
