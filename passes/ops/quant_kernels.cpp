@@ -225,8 +225,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
                           (Q4 ? Compact && g == 32
                            : six ? g == 16
                                  : (iq4 && g == 32) || (q8_0 && M > INT8_ROWS_Q8));
-  // q4's fp32 row products on AVX2 take x's sums per group (`row_product_q4_sums`).
-  const bool q4_sums = Q4 && !five && CC_AVX2_ROWS && path == Path::fp32 && !avx2_pairs;
+  // q4's fp32 row products on AVX2 take x's sums per group: in groups of 32, x laid out
+  // in the order a pair of runs' lanes hold the nibbles (`row_product_q4_slots`), else as
+  // it is (`row_product_q4_sums`).
+  const bool q4_fp32 = Q4 && !five && CC_AVX2_ROWS && path == Path::fp32 && !avx2_pairs;
+  const bool q4_slots = q4_fp32 && g == 32 && K % 64 == 0;
+  const bool q4_sums = q4_fp32 && !q4_slots;
   // Q8_0's row products on AVX2 with int8 activations where the caller allows them (1-2
   // rows, as on AVX512-VNNI): `row_product_q8_int8`.
   const bool avx2_int8 = !Q4 && !Compact && CC_AVX2_ROWS && path == Path::fp32 && bf &&
@@ -235,6 +239,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
                           : int8_q4 || int8_six ? (K + 127) / 128 * 32 + K / 32 + K / 16
                           : x_chunks ? K / 2 + K / 16
                           : q4_sums ? K / g
+                          : q4_slots ? K + K / 32
                           : avx2_pairs ? pair_row_floats(K)
                           : avx2_int8 ? K / 4 + K / 32 : 0;
   const int64_t x_floats = path == Path::bf16 ? 0 : K;  // x as fp32 rows (fp32, int8 paths)
@@ -274,6 +279,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
 #if CC_AVX2_ROWS
   if (q4_sums)
     for (int64_t m = 0; m < M; ++m) group_sums(xf + m * K, K, g, extra + m * per_row);
+  for (int64_t m = 0; q4_slots && m < M; ++m) {
+    slot_order(xf + m * K, K, extra + m * per_row);
+    group_sums(xf + m * K, K, 32, extra + m * per_row + K);
+  }
   if (avx2_pairs)
     for (int64_t m = 0; m < M; ++m) quantize_pairs(xf + m * K, K, pair_row(extra + m * per_row, K));
   // a row's int8 values (K bytes), then its scale a run
@@ -586,9 +595,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
         continue;
       }
       if constexpr (Q4) {
-        const float* sums = extra + m0 * per_row;
+        const float* rows = extra + m0 * per_row;  // x's group sums, or its slots then sums
         const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-        CC_BY_ROWS(mb, row_product_q4_sums<MB>(xm, sums, K, g, wq, s, mn, out));
+        if (q4_slots) CC_BY_ROWS(mb, row_product_q4_slots<MB>(rows, per_row, K, wq, s, mn, out));
+        else CC_BY_ROWS(mb, row_product_q4_sums<MB>(xm, rows, K, g, wq, s, mn, out));
       } else if (avx2_int8) {
         const int8_t* xq[MB_MAX];
         const float* dx[MB_MAX];

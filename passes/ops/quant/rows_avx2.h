@@ -26,6 +26,18 @@ inline void group_sums(const float* x, int64_t K, int64_t g, float* sums) {
   }
 }
 
+// A row's total plus its mins' term: the sum over groups of min times x's group sum.
+template <typename S>
+inline float with_mins(__m256 total, const float* sums, int64_t groups, const S* mn) {
+  __m256 mins = _mm256_setzero_ps();
+  int64_t gi = 0;
+  for (; gi + 8 <= groups; gi += 8)
+    mins = _mm256_fmadd_ps(load8(mn + gi), _mm256_loadu_ps(sums + gi), mins);
+  float tail = 0.f;
+  for (; gi < groups; ++gi) tail += scale1(mn[gi]) * sums[gi];
+  return hsum8(_mm256_add_ps(total, mins)) + tail;
+}
+
 // q4 on AVX2: out[m] = sum over groups of scale (q . x) + min (sum of x), the integers'
 // products exact in fp32 as on the bf16 path, x's sums from `group_sums`: 14 vector ops a
 // run of 32 where dequantizing every value first (as the AVX-512 `row_product` does) took
@@ -56,16 +68,66 @@ inline void row_product_q4_sums(const float* x, const float* sums, int64_t K, in
     for (int m = 0; m < MB; ++m)
       total[m] = _mm256_fmadd_ps(_mm256_add_ps(lo_acc[m], hi_acc[m]), scale, total[m]);
   }
-  for (int m = 0; m < MB; ++m) {
-    const float* sm = sums + m * groups;
-    __m256 mins = _mm256_setzero_ps();
-    int64_t gi = 0;
-    for (; gi + 8 <= groups; gi += 8)
-      mins = _mm256_fmadd_ps(load8(mn + gi), _mm256_loadu_ps(sm + gi), mins);
-    float tail = 0.f;
-    for (; gi < groups; ++gi) tail += scale1(mn[gi]) * sm[gi];
-    out[m] = hsum8(_mm256_add_ps(total[m], mins)) + tail;
+  for (int m = 0; m < MB; ++m) out[m] = with_mins(total[m], sums + m * groups, groups, mn);
+}
+
+// q4 in groups of 32 (Q4_0, Q4_1, Q4_K's exact products) on AVX2, two runs a 256-bit
+// load: a 32-bit lane's nibbles masked in place (v & 15 << 4t, then the same of v >> 16)
+// are the integers q 2^4t, exact in fp32 after one conversion, so 8 values cost a mask, a
+// conversion and an FMA, where widening the bytes first (`row_product_q4_sums`) took 4 ops
+// and a group's scalar scale. x is laid out once a call in the lanes' order and scaled by
+// 2^-4t (`slot_order`: exact unless a value is below 2^-114), its run sums after it.
+// Single-threaded on a 2048x2048 block in L2 (Zen 3): 7.0 -> 11.5 G values/s.
+inline void slot_order(const float* x, int64_t K, float* xs) {
+  const float shrink[4] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096};
+  for (int64_t p = 0; p < K / 64; ++p)
+    for (int t = 0; t < 8; ++t)
+      for (int i = 0; i < 8; ++i) {
+        const int byte = 4 * (i % 4) + 2 * (t / 4) + (t % 4) / 2;
+        const int e = 32 * (i / 4) + byte + 16 * (t % 2);  // odd slots: high nibbles
+        xs[64 * p + 8 * t + i] = x[64 * p + e] * shrink[t % 4];
+      }
+}
+
+// Run A's scale in lanes 0-3, run B's in 4-7.
+inline __m256 pair_scales(const f16* s) {
+  int32_t bits;
+  std::memcpy(&bits, s, sizeof bits);
+  return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_cvtsi32_si128(bits)),
+                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+inline __m256 pair_scales(const float* s) {
+  return _mm256_setr_ps(s[0], s[0], s[0], s[0], s[1], s[1], s[1], s[1]);
+}
+
+// Rows of x at xs + m stride (`slot_order`), each row's run sums K floats after it.
+template <int MB, typename S>
+inline void row_product_q4_slots(const float* xs, int64_t stride, int64_t K,
+                                 const uint8_t* w, const S* s, const S* mn, float* out) {
+  __m256 total[MB_MAX];
+  for (int m = 0; m < MB; ++m) total[m] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < K / 64; ++p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * p));
+    const __m256i u = _mm256_srli_epi32(v, 16);
+    __m256 q[8];
+    for (int t = 0; t < 4; ++t) {
+      const __m256i mask = _mm256_set1_epi32(15 << (4 * t));
+      q[t] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+      q[t + 4] = _mm256_cvtepi32_ps(_mm256_and_si256(u, mask));
+    }
+    const __m256 scale = pair_scales(s + 2 * p);
+    for (int m = 0; m < MB; ++m) {  // two chains a row
+      const float* xp = xs + m * stride + 64 * p;
+      __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));
+      __m256 b = _mm256_mul_ps(q[1], _mm256_loadu_ps(xp + 8));
+      for (int t = 2; t < 8; t += 2) {
+        a = _mm256_fmadd_ps(q[t], _mm256_loadu_ps(xp + 8 * t), a);
+        b = _mm256_fmadd_ps(q[t + 1], _mm256_loadu_ps(xp + 8 * t + 8), b);
+      }
+      total[m] = _mm256_fmadd_ps(_mm256_add_ps(a, b), scale, total[m]);
+    }
   }
+  for (int m = 0; m < MB; ++m) out[m] = with_mins(total[m], xs + m * stride + K, K / 32, mn);
 }
 
 // q8 on AVX2 likewise: out[m] = sum over groups of scale (q . x), the products exact in
