@@ -125,12 +125,14 @@ def build_passes(
 def native_passes_built() -> frozenset[str]:
     """The CPU passes whose C kernels build and are vectorized here: all of them with
     AVX-512 (`layer_kernels`); with AVX2 + FMA only the quantized products
-    (`quant_kernels.cpp`'s fp32 row products), the rest left to Inductor."""
-    from passes.ops import layer_kernels, quantized
+    (`quant_kernels.cpp`'s fp32 row products) and bf16's batched products on a widened
+    copy (`packed_linear.widens`), the rest left to Inductor."""
+    from passes.ops import layer_kernels, packed_linear, quantized
 
     if layer_kernels.available():
         return CPU_NATIVE_PASSES
-    return frozenset({"quantized_linear"} if quantized.kernel_path() != "portable" else ())
+    built = {"quantized_linear"} if quantized.kernel_path() != "portable" else set()
+    return frozenset(built | ({"packed_linear"} if packed_linear.available() else set()))
 
 
 class PostGradPassManager(CustomGraphPass):

@@ -14,6 +14,11 @@ made again when the weight changes, freed with it), for one of two kernels:
 - oneDNN on its blocked layout (`_reorder_linear_weight`) everywhere else (fp16, CPUs
   without AVX512-BF16, AMX, whose tiles beat any vector kernel): inside a CPU-graph
   replay through AOTInductor's C shim (`onednn_shim`), the call the op declares.
+
+Where torch has no native bf16 GEMM (AVX2 without AVX-512: `bf16_gemm_is_native`) bf16
+products of WIDEN_ROWS rows and more run as MKL's fp32 GEMM on the weight widened into a
+reused scratch a slice at a time (`widened_mm`; exact: bf16 values widen to fp32 without
+rounding). Nothing is kept, so nothing can go stale; no CPU graph records it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,14 @@ import torch
 from passes import huge_pages, native, native_calls
 from passes.native_calls import NativeCall, Unrecordable
 from passes.ops import derived, onednn_shim
+from passes.ops.scratch import row_slices, scratch
 
+# Rows from which a bf16 product on a CPU without a native bf16 GEMM widens the weight
+# (`widened_mm`); below, torch's generic bf16 loop, whose cost grows with the rows where
+# widening costs a fixed ~1.5 ns a weight value: against it, 0.7-1.2x at 8 rows, 1.8-3.0x at
+# 16, 3-4.7x at 64, 4.8-5.3x at 512 (1536 x 576 to 8192 x 2048, 2 threads of an EPYC Zen 3:
+# docs/kernel-choices.md, Packed weights for batches).
+WIDEN_ROWS = 16
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
 # from 2 to 2048 rows, so one copy serves every batch.
 PACK_BATCH_HINT = 2048
@@ -78,6 +90,26 @@ def _kernel() -> ctypes.CDLL | None:
     )  # fmt: skip
 
 
+@functools.cache
+def bf16_gemm_is_native() -> bool:
+    """Whether torch's CPU GEMM multiplies bf16 natively here (oneDNN, AVX-512 and later).
+    With AVX2 alone it is a generic dot loop (`bf16_dot_with_fp32_arith`): a 512-token
+    prefill of the default model ran at 70-75 tok/s, where MKL's fp32 GEMM on fp32 values
+    gives it ~4x (benchmarks/bench_gguf.py, pp512)."""
+    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
+
+
+def widens(dtype: torch.dtype) -> bool:
+    """Whether bf16 products run as fp32 GEMMs on a widened copy (`widened_mm`): bf16
+    where neither our kernel nor oneDNN multiplies it natively."""
+    return (
+        dtype == torch.bfloat16
+        and not uses_own_kernel(dtype)
+        and not bf16_gemm_is_native()
+        and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    )
+
+
 def uses_own_kernel(dtype: torch.dtype) -> bool:
     """Whether products with this weight dtype run `packed_mm.cpp` (else oneDNN): bf16
     with AVX512-BF16 and no AMX. On an AMX Xeon oneDNN's tiles ran the model's products at 16
@@ -95,7 +127,8 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
               (torch.float16, "_is_mkldnn_fp16_supported"))  # fmt: skip
     return tuple(
         d for d, name in checks
-        if uses_own_kernel(d) or (onednn and hasattr(mkldnn, name) and getattr(mkldnn, name)())
+        if uses_own_kernel(d) or widens(d)
+        or (onednn and hasattr(mkldnn, name) and getattr(mkldnn, name)())
     )  # fmt: skip
 
 
@@ -135,6 +168,8 @@ def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple:
     """The C call `packed_mm` makes: our kernel, or oneDNN's linear through AOTInductor's C
     shim (the op itself calls oneDNN through torch; the shim runs the same product)."""
     x, w, bias = (*args, None)[:3]
+    if x.dtype == w.dtype and widens(w.dtype):
+        raise Unrecordable("compilecore.packed_mm without a native bf16 GEMM (torch's own)")
     own = x.dtype == w.dtype and uses_own_kernel(w.dtype)
     # The kernel reads x's rows at any stride, oneDNN only a contiguous x; copies made per
     # call would be replayed as the one made at capture.
@@ -154,6 +189,8 @@ def _native_call(args: tuple, out: torch.Tensor) -> NativeCall | tuple:
 
 def packed_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ bias): the bias added in fp32 before the one rounding, as addmm does."""
+    if x.dtype == w.dtype and widens(w.dtype):
+        return widened_mm(x, w, bias)
     if x.dtype == w.dtype and uses_own_kernel(w.dtype):
         x = x if x.stride(1) == 1 else x.contiguous()
         bias = bias if bias is None or bias.is_contiguous() else bias.contiguous()
@@ -163,6 +200,23 @@ def packed_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         return y
     x = x.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), bias, "none", [], "")
+
+
+def widened_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w^T (+ bias) in fp32 on w widened into this thread's scratch a slice of rows at
+    a time, rounded once to x's dtype; fewer than WIDEN_ROWS rows: torch's own product."""
+    if x.shape[0] < WIDEN_ROWS:
+        return torch.nn.functional.linear(x, w, bias)
+    # The weight as GEMM's first operand: MKL packs its second (here x) per call, which
+    # took 2-3x the product's time at 4-16 rows when it was the weight.
+    xt = x.float().t()
+    bias32 = None if bias is None else bias.float().unsqueeze(1)
+    y = x.new_empty(x.shape[0], w.shape[0])
+    for a, b in row_slices(w.shape[0], w.shape[1] * 4):
+        part = scratch((b - a, w.shape[1]), torch.float32).copy_(w[a:b])
+        yt = torch.mm(part, xt) if bias32 is None else torch.addmm(bias32[a:b], part, xt)
+        y[:, a:b] = yt.t()
+    return y
 
 
 def _fake_packed_mm(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from passes import native, native_calls
 from passes.native_calls import NativeCall
 from passes.ops.invariant_mm import LONG_ROWS, invariant_mm
-from passes.ops.packed_linear import has_amx
+from passes.ops.packed_linear import bf16_gemm_is_native, has_amx
 from passes.ops.quant_layout import (  # noqa: F401 - the layouts, re-exported
     GROUPS_PER_SUPER,
     groups_of,
@@ -397,15 +397,6 @@ def q8_linear_ref(x, w, scales, bias=None, out_dtype=None, int8_x=False, invaria
     """The exact product (`int8_x` allows the kernel an approximation; never the reference)."""
     dtype = torch.promote_types(x.dtype, out_dtype or x.dtype)
     return _product_ref(x, dequantize_q8_ref(w, scales, dtype), bias, out_dtype)
-
-
-@functools.cache
-def bf16_gemm_is_native() -> bool:
-    """Whether torch's CPU GEMM multiplies bf16 natively here (oneDNN, AVX-512 and later).
-    With AVX2 alone it is a generic dot loop (`bf16_dot_with_fp32_arith`): a 512-token
-    prefill of the default model ran at 70-75 tok/s, where MKL's fp32 GEMM on fp32 values
-    gives it ~4x (benchmarks/bench_gguf.py, pp512)."""
-    return torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "NO AVX", "AVX2")
 
 
 def _dense_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
