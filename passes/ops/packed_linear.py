@@ -41,6 +41,9 @@ from passes.ops.scratch import row_slices, scratch
 # 16, 3-4.7x at 64, 4.8-5.3x at 512 (1536 x 576 to 8192 x 2048, 2 threads of an EPYC Zen 3:
 # docs/kernel-choices.md, Packed weights for batches).
 WIDEN_ROWS = 16
+# Rows up to which `fp32_linear` puts the weight first: 1.03-1.33x at 64 rows, 0.74-1.04x
+# at 512 (1536 x 576 to 16384 x 2048, 2 threads of an EPYC Zen 3).
+WEIGHT_FIRST_ROWS = 64
 # The batch size oneDNN lays the weight out for: measured as fast as a per-size layout
 # from 2 to 2048 rows, so one copy serves every batch.
 PACK_BATCH_HINT = 2048
@@ -207,16 +210,25 @@ def widened_mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     a time, rounded once to x's dtype; fewer than WIDEN_ROWS rows: torch's own product."""
     if x.shape[0] < WIDEN_ROWS:
         return torch.nn.functional.linear(x, w, bias)
-    # The weight as GEMM's first operand: MKL packs its second (here x) per call, which
-    # took 2-3x the product's time at 4-16 rows when it was the weight.
-    xt = x.float().t()
-    bias32 = None if bias is None else bias.float().unsqueeze(1)
+    x32, bias32 = x.float(), None if bias is None else bias.float()
     y = x.new_empty(x.shape[0], w.shape[0])
     for a, b in row_slices(w.shape[0], w.shape[1] * 4):
         part = scratch((b - a, w.shape[1]), torch.float32).copy_(w[a:b])
-        yt = torch.mm(part, xt) if bias32 is None else torch.addmm(bias32[a:b], part, xt)
-        y[:, a:b] = yt.t()
+        fp32_linear(x32, part, None if bias32 is None else bias32[a:b], y[:, a:b])
     return y
+
+
+def fp32_linear(x, w, bias, out: torch.Tensor) -> torch.Tensor:
+    """out = x @ w^T (+ bias) on fp32 operands; `out` may be a column slice of a wider
+    result, in any dtype (the one rounding). Up to WEIGHT_FIRST_ROWS rows as (w @ x^T)^T:
+    MKL's GEMM packs its second operand every call, which at 16 rows took 1.35-1.66x the
+    time when that was the weight; at 512 rows weight first lost up to 0.74x
+    (docs/kernel-choices.md, Packed weights for batches)."""
+    if x.shape[0] > WEIGHT_FIRST_ROWS:
+        return out.copy_(torch.nn.functional.linear(x, w, bias))
+    xt = x.t()
+    yt = torch.mm(w, xt) if bias is None else torch.addmm(bias.unsqueeze(1), w, xt)
+    return out.copy_(yt.t())
 
 
 def _fake_packed_mm(x: torch.Tensor, w: torch.Tensor, bias=None) -> torch.Tensor:

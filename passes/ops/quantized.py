@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from passes import native, native_calls
 from passes.native_calls import NativeCall
 from passes.ops.invariant_mm import LONG_ROWS, invariant_mm
-from passes.ops.packed_linear import bf16_gemm_is_native, has_amx
+from passes.ops.packed_linear import bf16_gemm_is_native, fp32_linear, has_amx
 from passes.ops.quant_layout import (  # noqa: F401 - the layouts, re-exported
     GROUPS_PER_SUPER,
     groups_of,
@@ -486,13 +486,18 @@ def dense_from_blocks(x, w, fields, bias, out_dtype, dtype, split=False):
     out_dtype = out_dtype or x.dtype
     x = (torch.cat([x, x], 1) if split else x).to(dtype)  # once, not a slice at a time
     bias = None if bias is None else bias.to(dtype)
-    if len(slices) > 1:
+    fp32 = dtype == torch.float32  # CPUs without a bf16 GEMM: `fp32_linear`
+    if len(slices) > 1 or fp32:
         y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype)
     for a, b in slices:
         part = _dequantize_native(w[a:b], tuple(f[a:b] for f in fields), dtype, split, True)
         if part is None:
             return None
-        out = _product_ref(x, part, None if bias is None else bias[a:b], out_dtype)
+        part_bias = None if bias is None else bias[a:b]
+        if fp32:
+            fp32_linear(x, part, part_bias, y[:, a:b])
+            continue
+        out = _product_ref(x, part, part_bias, out_dtype)
         if len(slices) == 1:
             return out
         y[:, a:b] = out
