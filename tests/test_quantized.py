@@ -687,6 +687,25 @@ def test_invariant_products_give_a_row_its_bits_at_every_row_count(case, dtype):
             assert torch.equal(got, full[start : start + m]), (start, m)
 
 
+@pytest.mark.skipif(not quantized.int8_pairs(), reason="AVX2's row products (no AVX-512)")
+@pytest.mark.parametrize("case", sorted(_invariance_cases()))
+def test_avx2_products_give_a_row_its_bits_up_to_the_dense_rows(case):
+    """With AVX2 alone the default products (int8 activations allowed) take one path a
+    format up to FP32_ROWS rows: q4's exact slots, the pairs (Q8_0's 1-2 rows included:
+    they had their own row product), q8 per channel's exact rows; so a row's bits do not
+    depend on the rows beside it, and a speculative verification's rows are decode's."""
+    kind, fields = _invariance_cases()[case]
+    k = quantized.q8_columns(*fields[:2]) if kind == "q8" else quantized.q4_columns(*fields[:2])
+    rows = quantized.FP32_ROWS[4 if kind == "q4" else 8]
+    x = torch.randn(rows + 8, k, generator=torch.Generator().manual_seed(5)).bfloat16()
+    op = ops.q4_linear if kind == "q4" else ops.q8_linear
+    for start in (0, 5):  # fp32 outputs: bf16 would round small differences away
+        full = op(x[start : start + rows], *fields, None, torch.float32, True)
+        for m in range(1, rows + 1):
+            got = op(x[start : start + m], *fields, None, torch.float32, True)
+            assert torch.equal(got, full[:m]), (start, m)
+
+
 def test_the_default_products_depend_on_the_row_count():
     """The control: without `invariant` the paths change with the row count, and some
     row counts give other bits (on any CPU whose kernels build), in bf16 or in fp32 (with

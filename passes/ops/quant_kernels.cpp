@@ -218,21 +218,22 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool x_chunks = (Q4 || six || iq4) && path == Path::bf16 && !int8_q4 && !int8_six;
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8 && !iq4) path = Path::int8;
   // The K-quants', IQ4's and Q8_0's rows on AVX2 with int8 activations where the caller
-  // allows them (rows_avx2_int8.h: x quantized per pair of runs); Q8_0's above the rows
-  // its own int8 row products take (`row_product_q8_int8`).
+  // allows them (rows_avx2_int8.h: x quantized per pair of runs), at every row count, so a
+  // row's bits do not depend on the others' (Q8_0's 1-2 rows tied `row_product_q8_int8`:
+  // docs/kernel-choices.md, Int8 activations; tests/test_quantized.py checks the bits).
   const bool q8_0 = !Q4 && !Compact && !iq4 && std::is_same_v<S, f16> && g == 32;
   const bool avx2_pairs = CC_AVX2_ROWS && path == Path::fp32 && (flags & 32) && K % 64 == 0 &&
                           (Q4 ? Compact && g == 32
                            : six ? g == 16
-                                 : (iq4 && g == 32) || (q8_0 && M > INT8_ROWS_Q8));
+                                 : (iq4 && g == 32) || q8_0);
   // q4's fp32 row products on AVX2 take x's sums per group: in groups of 32, x laid out
   // in the order a pair of runs' lanes hold the nibbles (`row_product_q4_slots`), else as
   // it is (`row_product_q4_sums`).
   const bool q4_fp32 = Q4 && !five && CC_AVX2_ROWS && path == Path::fp32 && !avx2_pairs;
   const bool q4_slots = q4_fp32 && g == 32 && K % 64 == 0;
   const bool q4_sums = q4_fp32 && !q4_slots;
-  // Q8_0's row products on AVX2 with int8 activations where the caller allows them (1-2
-  // rows, as on AVX512-VNNI): `row_product_q8_int8`.
+  // Q8_0's row products on AVX2 with int8 activations where the caller allows them and
+  // the pairs cannot take K (1-2 rows, as on AVX512-VNNI): `row_product_q8_int8`.
   const bool avx2_int8 = !Q4 && !Compact && CC_AVX2_ROWS && path == Path::fp32 && bf &&
                          g == 32 && (flags & 32) && M <= INT8_ROWS_Q8 && !avx2_pairs;
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
