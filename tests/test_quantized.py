@@ -693,7 +693,7 @@ def test_avx2_products_give_a_row_its_bits_up_to_the_dense_rows(case):
     """With AVX2 alone the default products (int8 activations allowed) take one path a
     format up to FP32_ROWS rows: q4's exact slots, the pairs (Q8_0's 1-2 rows included:
     they had their own row product), q8 per channel's exact rows; so a row's bits do not
-    depend on the rows beside it, and a speculative verification's rows are decode's."""
+    depend on the rows beside it (a verification's products give what decode's give)."""
     kind, fields = _invariance_cases()[case]
     k = quantized.q8_columns(*fields[:2]) if kind == "q8" else quantized.q4_columns(*fields[:2])
     rows = quantized.FP32_ROWS[4 if kind == "q4" else 8]
