@@ -103,9 +103,10 @@ def bf16_gemm_is_native() -> bool:
 
 
 def widens(dtype: torch.dtype) -> bool:
-    """Whether bf16 products run as fp32 GEMMs on a widened copy (`widened_mm`): bf16 on
-    AVX2 without AVX-512, where torch's bf16 GEMM is not native (`bf16_gemm_is_native`)."""
-    return dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    """Whether bf16 products run as fp32 GEMMs on a widened copy (`widened_mm`): bf16
+    where torch's bf16 GEMM is not native (AVX2 without AVX-512: `bf16_gemm_is_native`,
+    cached, as every batched product asks)."""
+    return dtype == torch.bfloat16 and not bf16_gemm_is_native()
 
 
 def uses_own_kernel(dtype: torch.dtype) -> bool:

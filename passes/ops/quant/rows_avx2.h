@@ -89,15 +89,20 @@ inline void slot_order(const float* x, int64_t K, float* xs) {
       }
 }
 
-// Run A's scale in lanes 0-3, run B's in 4-7.
-inline __m256 pair_scales(const f16* s) {
-  int32_t bits;
-  std::memcpy(&bits, s, sizeof bits);
-  return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_cvtsi32_si128(bits)),
-                                  _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+// Lanes [i x4 | j x4] of v.
+inline __m256 lanes(__m256 v, int i, int j) {
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, j, j, j, j));
 }
-inline __m256 pair_scales(const float* s) {
-  return _mm256_setr_ps(s[0], s[0], s[0], s[0], s[1], s[1], s[1], s[1]);
+
+// Two runs' scales as [a x4 | b x4] (fp32: IQ4's, decoded Q4_K's; fp16: Q8_0's, q4's).
+inline __m256 two_scales(const float* s) {
+  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
+  return lanes(_mm256_castps128_ps256(two), 0, 1);
+}
+inline __m256 two_scales(const f16* s) {
+  uint32_t bits;
+  std::memcpy(&bits, s, sizeof bits);
+  return lanes(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(int(bits)))), 0, 1);
 }
 
 // Rows of x at xs + m stride (`slot_order`), each row's run sums K floats after it.
@@ -115,7 +120,7 @@ inline void row_product_q4_slots(const float* xs, int64_t stride, int64_t K,
       q[t] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
       q[t + 4] = _mm256_cvtepi32_ps(_mm256_and_si256(u, mask));
     }
-    const __m256 scale = pair_scales(s + 2 * p);
+    const __m256 scale = two_scales(s + 2 * p);
     for (int m = 0; m < MB; ++m) {  // two chains a row
       const float* xp = xs + m * stride + 64 * p;
       __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(xp));

@@ -49,11 +49,6 @@ inline void quantize_pairs(const float* x, int64_t K, PairRow r) {
   }
 }
 
-// Lanes [i x4 | j x4] of v.
-inline __m256 lanes(__m256 v, int i, int j) {
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, j, j, j, j));
-}
-
 // A weight row's codes a pair of runs at a time, `codes(p, lo, hi)`: lo the two runs'
 // values 0-15, hi their values 16-31, as bytes. Q4_K's nibbles, Q5_K's 5-bit chunks and
 // Q6_K's 6-bit ones give unsigned codes (u: the value before the scale, offset or min);
@@ -192,17 +187,6 @@ inline void row_product_q6_pairs(const PairRow* rows, int64_t K, Codes codes,
   const __m256 minus32 = _mm256_set1_ps(-32.f);
   for (int m = 0; m < MB; ++m)
     out[m] = hsum8(_mm256_fmadd_ps(offset[m], minus32, _mm256_add_ps(acc[m], odd[m])));
-}
-
-// A run's two scales as [a x4 | b x4]: IQ4's fp32, Q8_0's fp16.
-inline __m256 two_scales(const float* s) {
-  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
-  return lanes(_mm256_castps128_ps256(two), 0, 1);
-}
-inline __m256 two_scales(const f16* s) {
-  uint32_t bits;
-  std::memcpy(&bits, s, sizeof bits);
-  return lanes(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(int(bits)))), 0, 1);
 }
 
 // Signed values (IQ4's table values, Q8_0's bytes) on int8 x: their magnitudes the
