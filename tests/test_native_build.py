@@ -1,9 +1,12 @@
 """The native build's cache key: a build made with `-march=native` on one CPU must never
-be loaded on another, on x86 and Arm alike."""
+be loaded on another, on x86 and Arm alike; and every kernel source compiles for every x86
+level, whichever CPU runs the tests."""
 
 from __future__ import annotations
 
+import platform
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -104,3 +107,34 @@ def test_declare_types_a_librarys_functions_from_one_line_each():
     assert libc.abort.argtypes == [] and libc.abort.restype is None
     with pytest.raises(ValueError, match="not a signature"):
         native.declare(libc, "labs i64")
+
+
+# The x86 levels the kernels' #if branches select between: none (portable), AVX2 + FMA
+# (Zen 1-3), AVX-512 without bf16 (Ice Lake servers: VNNI), AVX512-BF16 (Zen 4, Cooper
+# Lake), AMX (Sapphire Rapids). A session on one CPU builds only its own level.
+X86_LEVELS = ("x86-64", "haswell", "icelake-server", "cooperlake", "sapphirerapids")
+KERNEL_SOURCES = ("passes/ops/gemv.cpp", "passes/ops/layer_kernels.cpp",
+                  "passes/ops/packed_mm.cpp", "passes/ops/quant_kernels.cpp",
+                  "runtime/attention/cpu_kernels.cpp", "runtime/cpu_sampling.cpp")  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",
+                    reason="needs g++ for x86-64")
+@pytest.mark.parametrize("source", KERNEL_SOURCES)
+def test_every_kernel_compiles_for_every_x86_level(source, tmp_path):
+    """Each C++ source compiles for every x86 level, not only this CPU's: a name used
+    outside the #if branch that defines it once left every AVX-512 CPU (and the portable
+    build) without the quantized kernels, unseen on the AVX2 machine where it was written
+    (`-fsyntax-only`: no code generated, ~1 s a level)."""
+    root = Path(native.__file__).parents[1]
+    text = tmp_path / Path(source).name
+    text.write_text(native.op_source(root / source))
+    flags = [f for f in native.FLAGS if not f.startswith("-march")]
+    flags += ["-DCC_PREFETCH=0", "-DCC_DOT_SIZES=CC_DOT(576)", "-fsyntax-only"]
+    failed = {}
+    for level in X86_LEVELS:
+        run = subprocess.run(["g++", *flags, f"-march={level}", str(text)],
+                             capture_output=True, text=True)  # fmt: skip
+        if run.returncode:
+            failed[level] = [line for line in run.stderr.splitlines() if "error" in line][:3]
+    assert not failed, failed

@@ -10,6 +10,10 @@
 // then one FMA with both scales. The exact fp32 products (`row_product_q4_sums`,
 // `row_product_q8` on rows unpacked to int8) convert every value to float first: ~16
 // vector ops for 32 values a row where these take ~7.
+// Floats a PairRow takes (K a multiple of 64); outside the guard below: the dispatch in
+// quant_kernels.cpp sizes its scratch with it on every CPU.
+inline int64_t pair_row_floats(int64_t K) { return K / 4 + K / 8 + K / 16 + K / 32; }
+
 #if CC_AVX2_ROWS
 // A row of x for these products: per pair of runs (2p, 2p + 1) 64 bytes, the runs'
 // values 0-15, then their values 16-31, as one 256-bit load of the weights' nibbles
@@ -22,9 +26,6 @@ struct PairRow {
   float* sum16;    // [K / 16]
   float* sum32;    // [K / 32]
 };
-
-// Floats a PairRow takes (K a multiple of 64).
-inline int64_t pair_row_floats(int64_t K) { return K / 4 + K / 8 + K / 16 + K / 32; }
 
 inline PairRow pair_row(float* base, int64_t K) {
   float* sum16 = base + K / 4 + K / 8;
