@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import quants
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from compilecore import testing
@@ -208,6 +208,7 @@ def test_iq4_products_and_dequantization_equal_the_reference(rows, n, runs, dtyp
                             "int8"]),
        outliers=st.booleans(), int8_x=st.booleans(),
        seed=st.integers(0, 2**16))  # fmt: skip
+@example(rows=8, n=32, runs=4, fmt="q6_k", outliers=True, int8_x=True, seed=0)  # strips
 def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers, int8_x, seed):
     """bf16 activations: on AVX512-BF16 the product is exact but for fp32 sums and the
     output's bf16 rounding; on the integer path (AVX512-VNNI without it) each run of 32
@@ -220,8 +221,9 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     bits, or one int8 each) and int8's whole row; q4 groups of 32 and of 128 (int4_g128).
     `int8_x` (q8's argument): Q8_0's strips (6 rows and more, 16 weight rows) quantize
     activations the same way on CPUs with both AVX512-BF16 and AVX512-VNNI, and so do its
-    row products for 1-2 rows and Q6_K's (6 bits) for 1-5, under the same bound; with
-    AVX2 alone Q8_0's and Q6_K's at every count."""
+    row products for 1-2 rows and Q6_K's (6 bits) for 1-5 and, where AMX has no tiles for
+    them, its strips from 6, under the same bound; with AVX2 alone Q8_0's and Q6_K's at
+    every count."""
     g = torch.Generator().manual_seed(seed)
     whole = 256 * max(1, runs // 4)  # the K-quants' super-blocks
     k = {"q4_g128": 128 * max(1, runs // 4), "q4_k": whole, "q5_k": whole}.get(fmt, 32 * runs)
@@ -250,7 +252,7 @@ def test_bf16_products_stay_within_their_path_bound(rows, n, runs, fmt, outliers
     # where there are 16 weight rows for one)
     int8_x = int8_x and (
         quantized.int8_strips()
-        and (fmt == "q8" or fmt == "q6_k" and (rows < 6 or n < 16))
+        and (fmt == "q8" or fmt == "q6_k" and (rows < 6 or n < 16 or not quantized.amx_tiles()))
         or fmt == "q8"
         and rows <= quantized.int8_rows()  # AVX2's row products
         or fmt in ("q8", "q6_k")
@@ -383,11 +385,13 @@ def test_strips_write_bias_bf16_and_tail_rows(fmt, rows):
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q4", "q6_k"])
-@pytest.mark.parametrize("rows", [1, 3, 5, 7, 8])
+@pytest.mark.parametrize("rows", [1, 3, 5, 7, 8, 17, 130])
 def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
     """`int8_x` on q4 (which the pass gives Q4_K's products) and on Q6_K's 6-bit values:
     on CPUs with AVX512-BF16 and AVX512-VNNI the row products (below the strips: 8 rows
-    for q4, 6 for q8) quantize each run of 32 activations to int8 against max |x| / 127,
+    for q4, 6 for q8) and, without AMX tiles, the strips (16 weight rows; the 8 rows past
+    them stay exact: Q4_K's from 8 rows, Q6_K's from 6) quantize each run of 32
+    activations to int8 against max |x| / 127,
     which moves an output by at most sum over runs of (max |x| in the run / 254) * sum
     |d q| over the run (q4's mins and Q6_K's offset multiply x's exact sums); a last pair
     of runs (K % 128 = 64) included. Q5_K's 5-bit rows have no strips: their row products
@@ -409,7 +413,13 @@ def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
         steps = values - _values(fields[2]).double().repeat_interleave(32, 1)  # d q, no min
     exact, got = product(), product(True)
     strips = {"q6_k": 6, "q5_k": None}.get(fmt, 8)
-    quantizes = quantized.int8_strips() and (strips is None or rows < strips)
+    tiles = quantized.amx_tiles() and rows <= 64  # exact, where AMX has them
+    q4_k_strips = fmt == "q4_k" and not quantized.amx_tiles()  # else tiles, a dense copy
+    dense = rows > quantized.BF16_ROWS[4] and fmt != "q6_k" and not q4_k_strips  # exact x
+    int8_strips = q4_k_strips or fmt == "q6_k" and not tiles
+    quantizes = quantized.int8_strips() and not dense and (
+        strips is None or rows < strips or int8_strips
+    )
     if not (quantizes or quantized.int8_pairs() and fmt != "q4"):
         assert torch.equal(got, exact)
         return

@@ -209,7 +209,13 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // (1.01-1.22x the exact one end to end at batch 1 on the 1.7B file, by how fast the
   // memory is: docs/kernel-choices.md, Int8 activations); the exact row product between.
   const bool int8_x = !Q4 && g == 32 && (flags & 32) && path == Path::bf16;
-  const bool int8_strips = CC_INT8_STRIPS && strips && int8_x;
+  // Q4_K's strips likewise (as llama.cpp multiplies Q4_K by Q8_K): its nibbles as Q8_0's
+  // bytes, the mins through x's exact run sums (`Strip8`).
+  const bool int8_q4k = Q4 && Compact && !five && g == 32 && (flags & 32) && path == Path::bf16;
+  // And Q6_K's, its values as the bytes, an offset and a scale per half run (its groups).
+  const bool int8_q6k = !Q4 && Compact && (flags & 64) && g == 16 && (flags & 32) &&
+                        path == Path::bf16;
+  const bool int8_strips = CC_INT8_STRIPS && strips && (int8_x || int8_q4k || int8_q6k);
   // q4 with int8 activations where the caller allows it (the K-quants' products), for the
   // rows below the strips: `row_product_q4_int8`.
   const bool int8_q4 = Q4 && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
@@ -269,7 +275,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // row's values and bytes
   float* xf = scratch(M * (x_floats + per_row) + int8_floats + strip_floats +
                       2 * TILE_N * groups +
-                      (six || iq4 ? TILE_N * K / 4 : five_rows ? K + K / 4 : 0));
+                      (six || iq4 || int8_strips ? TILE_N * K / 4 : five_rows ? K + K / 4 : 0));
   float* extra = xf + M * x_floats;
   float* strip_at = extra + M * per_row + int8_floats;
   float* scale_buf = strip_at + strip_floats;
@@ -376,7 +382,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   }
 #endif
 #if CC_INT8_STRIPS
-  if constexpr (!Q4) {
+  if constexpr (!Q4 || Compact) {
     if (int8_strips) {
       uint8_t* xq = reinterpret_cast<uint8_t*>(extra + M * per_row);
       float* sx = extra + M * per_row + M * K / 4;
@@ -387,22 +393,32 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       Strip8 st;
       st.wq = reinterpret_cast<__m512i*>((at + 63) & ~uintptr_t(63));
       st.minus = st.wq + K / 4;
-      st.ds = reinterpret_cast<float*>(st.minus + K / 32);
+      st.ds = reinterpret_cast<float*>(st.minus + groups);
+      st.ms = st.ds + groups * TILE_N;
 #pragma omp for schedule(guided) nowait
       for (int64_t strip = 0; strip < N / TILE_N; ++strip) {
         const int64_t n0 = strip * TILE_N;
         const int8_t* rows = static_cast<const int8_t*>(w) + n0 * K;
-        if (iq4) {
-          for (int64_t r = 0; r < TILE_N; ++r)
-            unpack_row(static_cast<const char*>(w) + (n0 + r) * row_bytes, unpacked + r * K);
+        for (int64_t r = 0; (iq4 || six || Q4) && r < TILE_N; ++r) {
+          const uint8_t* row = static_cast<const uint8_t*>(w) + (n0 + r) * row_bytes;
+          if (six) unpack_q6_row(row, K, unpacked + r * K);
+          else unpack_nibbles(row, K, Q4 ? Q4_VALUES : IQ4_VALUES, unpacked + r * K);
           rows = unpacked;
         }
-        pack_strip_int8(rows, scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), K,
-                        groups, st);
+        const float* ms = nullptr;  // q4's mins (Compact: S is float)
+        if constexpr (Q4) ms = scale_rows<Q4, Compact>(mins, groups, n0, TILE_N, min_buf);
+        pack_strip_int8(rows, scale_rows<Q4, Compact>(scales, groups, n0, TILE_N, scale_buf), ms,
+                        K, groups, st);
         for (int64_t m0 = 0; m0 < M; m0 += STRIP_MB) {
           float out[STRIP_MB * TILE_N];
+          const float* sums[STRIP_MB];  // q4's: x's exact run sums
           const int64_t mb = M - m0 < STRIP_MB ? M - m0 : STRIP_MB;
-          strip_rows_int8_mb(mb, xq + m0 * K, sx + m0 * (K / 32), K, st, out);
+          for (int64_t m = 0; Q4 && m < mb; ++m) sums[m] = bf16_row(m0 + m).sum;
+          const uint8_t* xm = xq + m0 * K;
+          const float* sxm = sx + m0 * (K / 32);
+          if (Q4) strip_rows_int8_mb<true, 1>(mb, xm, sxm, sums, K, st, out);
+          else if (six) strip_rows_int8_mb<false, 2>(mb, xm, sxm, sums, K, st, out);
+          else strip_rows_int8_mb<false, 1>(mb, xm, sxm, sums, K, st, out);
           store_strip(y, flags, bias, N, n0, m0, mb, out);
         }
       }

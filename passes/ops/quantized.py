@@ -75,6 +75,10 @@ BF16_ROWS = MappingProxyType({4: 64, 8: None})  # None: no limit
 # (benchmarks/ab_dense_copy.py). Exact products keep the strips: `int8_activations=False`
 # means exact on every CPU (the split copy, 1.6-2.2x faster, is 16 bits of Q8_0's 19).
 AMX_DENSE_ROWS = 128
+# Without AMX, Q4_K's int8 strips (VNNI, 16 weight rows) beat the dense copy from 128 rows
+# on the 1.7B's shapes (1.10-1.28x at 128-512, a tie at 64) and its exact strips 1.2-1.6x
+# at 8-512 (benchmarks/ab_quant_raw.py): with int8 activations it keeps the kernel at
+# every row count there.
 # The fp32 path (AVX2 + FMA): q8's row products lose to MKL's fp32 GEMM on the dequantized
 # weight from 32-64 rows (1536x576: 0.68x at 64 rows, 0.57x at 128), q4's break even at 64.
 FP32_ROWS = MappingProxyType({4: 32, 8: 32})
@@ -319,11 +323,17 @@ def _invariant_dense(x: torch.Tensor, bits: int, scales: torch.Tensor) -> bool:
     )
 
 
-def _few_enough_rows(x: torch.Tensor, w: torch.Tensor, bits: int, group: int, int8_x: bool) -> bool:
+def _few_enough_rows(
+    x: torch.Tensor, w: torch.Tensor, fields: tuple, group: int, int8_x: bool
+) -> bool:  # fmt: skip
+    bits = 4 if len(fields) == 2 else 8
     exact = x.dtype == torch.bfloat16 and _bf16_path(bits, x.shape[-1], group)
     limit = BF16_ROWS[bits] if exact else MAX_KERNEL_ROWS[bits]
     if exact and bits == 8 and int8_x and has_amx():  # exact products keep the strips
         limit = AMX_DENSE_ROWS - 1
+    q4_k = bits == 4 and group == RUN and is_compact(fields[0]) and not is_q5(w, fields[0])
+    if exact and q4_k and int8_x and int8_strips() and not has_amx():
+        limit = None
     if kernel_path() == "fp32":
         # int8 x on q4 is the K-quants' (`q4_int8_x`); on q8 Q8_0's and IQ4's (groups of
         # 32) and Q6_K's (16, packed in bytes)
@@ -346,7 +356,7 @@ def _product_call(
     if (
         x.dim() != 2
         or x.shape[-1] % groups
-        or not (invariant or _few_enough_rows(x, w, bits, x.shape[-1] // groups, bool(int8_x)))
+        or not (invariant or _few_enough_rows(x, w, fields, x.shape[-1] // groups, bool(int8_x)))
         or x.dtype not in floats
         or y.dtype not in floats
         or (bias is not None and bias.dtype != x.dtype)
@@ -417,10 +427,10 @@ def _dense_product(x, weight, bias, out_dtype):
 
 def q4_linear(x, w, scales, mins, bias=None, out_dtype=None, int8_x=False, invariant=False):
     """y [M, N] = x @ dequantize_q4(w, scales, mins)^T (+ bias). `int8_x`: with bf16 x, on
-    CPUs with AVX512-BF16 and AVX512-VNNI, the row products (below the strips' 8 rows) may
-    quantize x to int8 per run of 32, as llama.cpp multiplies its K-quants (the pass asks
-    for it for Q4_K's: docs/kernel-choices.md, Int8 activations), within the same bound as
-    Q8_0's (tests/test_quantized.py).
+    CPUs with AVX512-BF16 and AVX512-VNNI, the row products (below the strips' 8 rows) and
+    Q4_K's strips may quantize x to int8 per run of 32, as llama.cpp multiplies its K-quants
+    (the pass asks for it for Q4_K's: docs/kernel-choices.md, Int8 activations), within the
+    same bound as Q8_0's (tests/test_quantized.py).
     `invariant` (batch-invariant mode): a row's bits never depend on the other rows: the
     exact row products up to INVARIANT_ROWS rows, above it (a long prefill chunk's step,
     where bf16 GEMMs are native) the dense copy's GEMM one tile of LONG_ROWS a call
@@ -448,8 +458,8 @@ def q8_linear(x, w, scales, bias=None, out_dtype=None, int8_x=False, invariant=F
     products for 1-2 rows 1.01-1.22x (docs/kernel-choices.md), within ~1% of the largest output
     (tests/test_quantized.py bounds it); 3-5 rows (where the integer row product was slower) and
     the rows past a whole number of strips (a strip: 16 weight rows) stay exact. Q6_K's 6-bit
-    values take it in their row products (1-5 rows; docs/kernel-choices.md). `invariant`: as
-    `q4_linear`'s."""
+    values take it in their row products (1-5 rows) and strips (docs/kernel-choices.md).
+    `invariant`: as `q4_linear`'s."""
     y = x.new_empty(x.shape[0], w.shape[0], dtype=out_dtype or x.dtype)
     call = _q8_call((x, w, scales, bias, out_dtype, int8_x, invariant), y)
     if call is None:

@@ -339,11 +339,14 @@ inline void dequantize_q5_row(const uint8_t* w, const float* s, const float* mn,
 // int8 by this, as Q8_0's.
 alignas(16) constexpr int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                1,    13,   25,  38,  53,  69,  89,  113};
-inline void unpack_iq4_row(const uint8_t* w, int64_t K, int8_t* out) {
+// q4's nibbles as they are (Q4_K's int8 strips read its rows unpacked to bytes).
+alignas(16) constexpr int8_t Q4_VALUES[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+// A row of 4-bit indices in q4's order -> `values`[index] per value, in order.
+inline void unpack_nibbles(const uint8_t* w, int64_t K, const int8_t* values, int8_t* out) {
   int64_t run = 0;
 #if defined(__AVX512BW__)
   const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(
-      reinterpret_cast<const __m128i*>(IQ4_VALUES)));
+      reinterpret_cast<const __m128i*>(values)));
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (; run + 4 <= K / 32; run += 4) {  // 4 runs: 64 bytes of indices
     const __m512i v = _mm512_loadu_si512(w + run * 16);
@@ -358,7 +361,7 @@ inline void unpack_iq4_row(const uint8_t* w, int64_t K, int8_t* out) {
   }
 #elif defined(__AVX2__)
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(
-      reinterpret_cast<const __m128i*>(IQ4_VALUES)));
+      reinterpret_cast<const __m128i*>(values)));
   const __m256i low = _mm256_set1_epi8(0x0f);
   for (; run + 2 <= K / 32; run += 2) {  // 2 runs: 32 bytes of indices
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + run * 16));
@@ -369,7 +372,10 @@ inline void unpack_iq4_row(const uint8_t* w, int64_t K, int8_t* out) {
 #endif
   for (; run < K / 32; ++run)
     for (int j = 0; j < 16; ++j) {
-      out[run * 32 + j] = IQ4_VALUES[w[run * 16 + j] & 15];
-      out[run * 32 + j + 16] = IQ4_VALUES[w[run * 16 + j] >> 4];
+      out[run * 32 + j] = values[w[run * 16 + j] & 15];
+      out[run * 32 + j + 16] = values[w[run * 16 + j] >> 4];
     }
+}
+inline void unpack_iq4_row(const uint8_t* w, int64_t K, int8_t* out) {
+  unpack_nibbles(w, K, IQ4_VALUES, out);
 }

@@ -11,14 +11,22 @@
 // -128 * each row's sum of the run's weights, which takes the offset off exactly:
 //   sum_j (xq_j + 128) w_j - 128 sum_j w_j = sum_j xq_j w_j   (int32, exact)
 // then one fp32 multiply by the weight's and the activation's scales a run.
+// Q4_K's strips take the same form: its nibbles are the bytes (0-15), each run's min
+// multiplies x's exact run sum (`ms`), as in its row products. Q6_K's too, its values
+// (-32..31) the bytes, but its scales are per group of 16: a group's offset and scale
+// then come per half run (`parts` below are the weights' groups: a run or half a run).
 struct Strip8 {
   __m512i* wq;     // [K/4][16] quads of int8
-  __m512i* minus;  // [K/32][16] int32: -128 * the run's weight sum
-  float* ds;       // [K/32][16] the weights' scales
+  __m512i* minus;  // [parts][16] int32: -128 * the part's weight sum
+  float* ds;       // [parts][16] the weights' scales
+  float* ms;       // [parts][16] q4's mins (unused for q8)
 };
 
+// `groups`: a row's scales, one a run (K / 32) or a half run (K / 16); `mins`: q4's,
+// decoded as the scales ([16][groups]); nullptr for q8.
 template <typename S>
-inline void pack_strip_int8(const int8_t* w, const S* s, int64_t K, int64_t groups, Strip8 st) {
+inline void pack_strip_int8(const int8_t* w, const S* s, const float* mins, int64_t K,
+                            int64_t groups, Strip8 st) {
   for (int64_t k = 0; k < K; k += 64) {
     __m512i r[16];
     for (int n = 0; n < TILE_N; ++n) r[n] = _mm512_loadu_si512(w + n * K + k);
@@ -26,13 +34,16 @@ inline void pack_strip_int8(const int8_t* w, const S* s, int64_t K, int64_t grou
     for (int j = 0; j < 16; ++j) _mm512_store_si512(st.wq + k / 4 + j, r[j]);
   }
   const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t run = 0; run < K / 32; ++run) {
+  const int64_t quads = K / 4 / groups;
+  for (int64_t part = 0; part < groups; ++part) {
     __m512i sum = _mm512_setzero_si512();
-    for (int q = 0; q < 8; ++q)
-      sum = _mm512_dpbusd_epi32(sum, ones, _mm512_load_si512(st.wq + run * 8 + q));
-    _mm512_store_si512(st.minus + run, _mm512_sub_epi32(_mm512_setzero_si512(),
-                                                        _mm512_slli_epi32(sum, 7)));
-    for (int n = 0; n < TILE_N; ++n) st.ds[run * TILE_N + n] = scale1(s[n * groups + run]);
+    for (int64_t q = 0; q < quads; ++q)
+      sum = _mm512_dpbusd_epi32(sum, ones, _mm512_load_si512(st.wq + part * quads + q));
+    _mm512_store_si512(st.minus + part, _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                         _mm512_slli_epi32(sum, 7)));
+    for (int n = 0; n < TILE_N; ++n) st.ds[part * TILE_N + n] = scale1(s[n * groups + part]);
+    for (int n = 0; mins && n < TILE_N; ++n)
+      st.ms[part * TILE_N + n] = mins[n * groups + part];
   }
 }
 
@@ -192,44 +203,55 @@ inline void row_product_q6_int8(const Int8Chunks* rows, int64_t K, const uint8_t
     out[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[m], odd[m]), offset[m]));
 }
 
-// out[m][0..15] = x[m] . the strip's rows for MB quantized rows of x.
-template <int MB>
-inline void strip_rows_int8(const uint8_t* xq, const float* sx, int64_t K, Strip8 st,
-                            float* out) {
+// out[m][0..15] = x[m] . the strip's rows for MB quantized rows of x; MINS (q4): plus
+// each run's mins times x's exact run sums (`sums[m]`); HALVES = 2: the weights' groups
+// are half runs (Q6_K's 16), each with its own offset and scale.
+template <int MB, bool MINS, int HALVES>
+inline void strip_rows_int8(const uint8_t* xq, const float* sx, const float* const* sums,
+                            int64_t K, Strip8 st, float* out) {
+  constexpr int QUADS = 8 / HALVES;
   __m512 acc[STRIP_MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   const int64_t runs = K / 32;
-  for (int64_t run = 0; run < runs; ++run) {
-    __m512i t[STRIP_MB];
-    const __m512i start = _mm512_load_si512(st.minus + run);
-    for (int m = 0; m < MB; ++m) t[m] = start;
-    for (int q = 0; q < 8; ++q) {
-      const __m512i w = _mm512_load_si512(st.wq + run * 8 + q);
-      for (int m = 0; m < MB; ++m) {
-        int32_t quad;
-        std::memcpy(&quad, xq + m * K + run * 32 + q * 4, 4);
-        t[m] = _mm512_dpbusd_epi32(t[m], _mm512_set1_epi32(quad), w);
+  for (int64_t run = 0; run < runs; ++run)
+    for (int h = 0; h < HALVES; ++h) {
+      const int64_t part = run * HALVES + h;
+      __m512i t[STRIP_MB];
+      const __m512i start = _mm512_load_si512(st.minus + part);
+      for (int m = 0; m < MB; ++m) t[m] = start;
+      for (int q = 0; q < QUADS; ++q) {
+        const __m512i w = _mm512_load_si512(st.wq + part * QUADS + q);
+        for (int m = 0; m < MB; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, xq + m * K + part * QUADS * 4 + q * 4, 4);
+          t[m] = _mm512_dpbusd_epi32(t[m], _mm512_set1_epi32(quad), w);
+        }
+      }
+      const __m512 d = _mm512_loadu_ps(st.ds + part * TILE_N);
+      for (int m = 0; m < MB; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(sx[m * runs + run])), acc[m]);
+      if constexpr (MINS) {
+        const __m512 mn = _mm512_loadu_ps(st.ms + part * TILE_N);
+        for (int m = 0; m < MB; ++m)
+          acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sums[m][part]), acc[m]);
       }
     }
-    const __m512 d = _mm512_loadu_ps(st.ds + run * TILE_N);
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]),
-                               _mm512_mul_ps(d, _mm512_set1_ps(sx[m * runs + run])), acc[m]);
-  }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + m * TILE_N, acc[m]);
 }
 
-inline void strip_rows_int8_mb(int64_t mb, const uint8_t* xq, const float* sx, int64_t K,
-                               Strip8 st, float* out) {
+template <bool MINS, int HALVES>
+inline void strip_rows_int8_mb(int64_t mb, const uint8_t* xq, const float* sx,
+                               const float* const* sums, int64_t K, Strip8 st, float* out) {
   switch (mb) {
-    case 8: return strip_rows_int8<8>(xq, sx, K, st, out);
-    case 7: return strip_rows_int8<7>(xq, sx, K, st, out);
-    case 6: return strip_rows_int8<6>(xq, sx, K, st, out);
-    case 5: return strip_rows_int8<5>(xq, sx, K, st, out);
-    case 4: return strip_rows_int8<4>(xq, sx, K, st, out);
-    case 3: return strip_rows_int8<3>(xq, sx, K, st, out);
-    case 2: return strip_rows_int8<2>(xq, sx, K, st, out);
-    default: return strip_rows_int8<1>(xq, sx, K, st, out);
+    case 8: return strip_rows_int8<8, MINS, HALVES>(xq, sx, sums, K, st, out);
+    case 7: return strip_rows_int8<7, MINS, HALVES>(xq, sx, sums, K, st, out);
+    case 6: return strip_rows_int8<6, MINS, HALVES>(xq, sx, sums, K, st, out);
+    case 5: return strip_rows_int8<5, MINS, HALVES>(xq, sx, sums, K, st, out);
+    case 4: return strip_rows_int8<4, MINS, HALVES>(xq, sx, sums, K, st, out);
+    case 3: return strip_rows_int8<3, MINS, HALVES>(xq, sx, sums, K, st, out);
+    case 2: return strip_rows_int8<2, MINS, HALVES>(xq, sx, sums, K, st, out);
+    default: return strip_rows_int8<1, MINS, HALVES>(xq, sx, sums, K, st, out);
   }
 }
 #define CC_INT8_STRIPS 1  // AVX512-BF16 CPUs: Zen 4, Sapphire Rapids and later
