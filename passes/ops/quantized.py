@@ -325,7 +325,7 @@ def _invariant_dense(x: torch.Tensor, bits: int, scales: torch.Tensor) -> bool:
 
 def _few_enough_rows(
     x: torch.Tensor, w: torch.Tensor, fields: tuple, group: int, int8_x: bool
-) -> bool:  # fmt: skip
+) -> bool:
     bits = 4 if len(fields) == 2 else 8
     exact = x.dtype == torch.bfloat16 and _bf16_path(bits, x.shape[-1], group)
     limit = BF16_ROWS[bits] if exact else MAX_KERNEL_ROWS[bits]
