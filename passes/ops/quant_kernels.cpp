@@ -469,6 +469,28 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     }
   }
 #endif
+#if CC_INT8_STRIPS
+  // The K-quants' one row of x on int8 activations too: in the general loop below, beside
+  // Q5_K's instance and its fp32 fallback, Q4_K's read 0.75x (docs/kernel-choices.md).
+  if constexpr (Q4 && Compact) {
+    if (int8_q4 && M == 1 && !five_rows) {
+      const Int8Chunks x1 = int8_chunks(0);
+      const uint8_t* wq = static_cast<const uint8_t*>(w);
+      auto rows = [&](auto five_k) {
+        one_row_loop(row_bytes, tiled, N, y, flags, bias, [&](int64_t n) {
+          float out;
+          row_product_q4_int8<1, decltype(five_k)::value>(
+              &x1, K, wq + n * row_bytes, fields_at<Q4, Compact>(scales, groups, n, scales),
+              fields_at<Q4, Compact>(mins, groups, n, mins), shift, &out);
+          return out;
+        });
+      };
+      if (five) rows(std::true_type{});
+      else rows(std::false_type{});
+      return;
+    }
+  }
+#endif
   // One row of x: a loop of its own (q4 through it ran 0.87-1.07x, by how the compiler
   // inlined it: docs/kernel-choices.md)
   if constexpr (!Q4) {
