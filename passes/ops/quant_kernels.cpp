@@ -213,8 +213,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // bytes, the mins through x's exact run sums (`Strip8`).
   const bool int8_q4k = Q4 && Compact && !five && g == 32 && (flags & 32) && path == Path::bf16;
   // And Q6_K's, its values as the bytes, an offset and a scale per half run (its groups).
-  const bool int8_q6k = !Q4 && Compact && (flags & 64) && g == 16 && (flags & 32) &&
-                        path == Path::bf16;
+  const bool int8_q6k = six && g == 16 && (flags & 32) && path == Path::bf16;
   const bool int8_strips = CC_INT8_STRIPS && strips && (int8_x || int8_q4k || int8_q6k);
   // q4 with int8 activations where the caller allows it (the K-quants' products), for the
   // rows below the strips: `row_product_q4_int8`.
@@ -473,7 +472,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   // The K-quants' one row of x on int8 activations too: in the general loop below, beside
   // Q5_K's instance and its fp32 fallback, Q4_K's read 0.75x (docs/kernel-choices.md).
   if constexpr (Q4 && Compact) {
-    if (int8_q4 && M == 1 && !five_rows) {
+    if (int8_q4 && M == 1) {
       const Int8Chunks x1 = int8_chunks(0);
       const uint8_t* wq = static_cast<const uint8_t*>(w);
       auto rows = [&](auto five_k) {
