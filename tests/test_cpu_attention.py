@@ -16,7 +16,7 @@ from compilecore import cpu_graph
 from compilecore.forward_context import set_forward_context
 from runtime import LLM, SamplingParams
 from runtime.attention import TorchPagedAttentionBackend
-from runtime.attention.cpu_build import load_cpu_kernels
+from runtime.attention.cpu_build import load_cpu_kernels, load_prefill_kernel
 from runtime.attention.cpu_paged import (
     PARALLEL_MIN_WORK,
     ROWS_AS_DECODES,
@@ -202,6 +202,55 @@ def test_bf16_rounding_matches_torch():
     want = values.to(torch.bfloat16)
     assert torch.equal(out[0, :-2], want[:-2]) and torch.isnan(out[0, -2])
     assert out[0, -1] == 0
+
+
+needs_prefill_kernel = pytest.mark.skipif(
+    load_prefill_kernel() is None, reason="cpu_prefill.cpp needs AVX512-BF16"
+)
+
+
+@st.composite
+def prefill_batches(draw):
+    """Prefill chunks longer than a task's 32 rows and a block's 32 keys, after cached
+    prefixes or none, behind decodes or not, in the kernel's head sizes."""
+    kv_heads = draw(st.integers(1, 3))
+    seqs = [(draw(st.integers(0, 90)), 1) for _ in range(draw(st.integers(0, 2)))]
+    seqs += [(draw(st.integers(0, 100)), draw(st.integers(2, 80)))
+             for _ in range(draw(st.integers(1, 2)))]  # fmt: skip
+    return Batch(block_size=draw(st.sampled_from([1, 16, 32])), kv_heads=kv_heads,
+                 heads=kv_heads * draw(st.sampled_from([1, 2, 3])),
+                 head_size=draw(st.sampled_from([64, 128])), seqs=seqs,
+                 padding=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)),
+                 dtype=torch.bfloat16)  # fmt: skip
+
+
+@needs_prefill_kernel
+@settings(max_examples=30, deadline=None)
+@given(batch=prefill_batches())
+def test_prefill_kernel_equals_dense(batch):
+    """cpu_prefill.cpp's chunks (causal over the new rows, all of a cached prefix) are
+    dense attention."""
+    case = build_case(batch)
+    run_and_check(case, CpuPagedAttentionBackend(num_threads=2), TOL[batch.dtype])
+    assert case.meta.cache["cpu_paged"].chunks  # the kernel took them, not SDPA
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prefill_rows_bits_do_not_depend_on_its_chunking(threads):
+    """A row attends over its keys block by block from key 0 whatever chunk it is in and
+    on any number of threads: 100 rows in one chunk and as the 63 after 37 cached give the
+    same bits."""
+    outs = []
+    for ctx in (0, 37):
+        case = build_case(Batch(block_size=16, kv_heads=3, heads=9, head_size=64,
+                                seqs=[(ctx, 100 - ctx)], padding=0, seed=5,
+                                dtype=torch.bfloat16))  # fmt: skip
+        if outs:  # the same queries: the first run's rows from position 37
+            case.q.copy_(outs[0][1][ctx:])
+        out = run_and_check(case, CpuPagedAttentionBackend(num_threads=threads), 2e-2)
+        outs.append((out, case.q))
+    assert torch.equal(outs[1][0], outs[0][0][37:])
 
 
 def test_unsupported_shapes_fall_back_to_torch(backend):

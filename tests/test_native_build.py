@@ -115,7 +115,8 @@ def test_declare_types_a_librarys_functions_from_one_line_each():
 X86_LEVELS = ("x86-64", "haswell", "icelake-server", "cooperlake", "sapphirerapids")
 KERNEL_SOURCES = ("passes/ops/gemv.cpp", "passes/ops/layer_kernels.cpp",
                   "passes/ops/packed_mm.cpp", "passes/ops/quant_kernels.cpp",
-                  "runtime/attention/cpu_kernels.cpp", "runtime/cpu_sampling.cpp")  # fmt: skip
+                  "runtime/attention/cpu_kernels.cpp", "runtime/attention/cpu_prefill.cpp",
+                  "runtime/cpu_sampling.cpp")  # fmt: skip
 
 
 @pytest.mark.skipif(shutil.which("g++") is None or platform.machine() != "x86_64",

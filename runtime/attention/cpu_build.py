@@ -1,4 +1,5 @@
-"""Build and load the CPU attention kernels (`cpu_kernels.cpp`).
+"""Build and load the CPU attention kernels (`cpu_kernels.cpp`: KV writes and decode;
+`cpu_prefill.cpp`: prefill chunks).
 
 g++ compiles the file once per source, flags and CPU into the compile cache directory
 (`compilation_config.cache_dir`, by default `~/.cache/compilecore/torch_compile`, under
@@ -13,11 +14,12 @@ import functools
 from pathlib import Path
 
 from compilecore.config import cache_root
-from passes.native import KernelBuildError, declare, load_library
+from passes.native import KernelBuildError, declare, load_library, op_source
 
 __all__ = ["KernelBuildError", "load_cpu_kernels"]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.cpp")
 
 
 @functools.cache
@@ -27,6 +29,16 @@ def load_cpu_kernels(root: Path | None = None) -> ctypes.CDLL:
     lib = load_library(SOURCE.read_text(), "cpu_attention", root or cache_root() / "torch_compile")
     _declare(lib)
     return lib
+
+
+@functools.cache
+def load_prefill_kernel(root: Path | None = None) -> ctypes.CDLL | None:
+    """The prefill kernel where this CPU's build has it (AVX512-BF16), else None."""
+    source = op_source(PREFILL_SOURCE)  # with passes/ops/exp16.h pasted in
+    lib = load_library(source, "cpu_prefill", root or cache_root() / "torch_compile")
+    signature = "prefill_bf16(ptr, i64, ptr, ptr, ptr, i64 x2, ptr, i64 x5, f32, i64) -> i64"
+    declare(lib, "prefill_built() -> i64", signature)
+    return lib if lib.prefill_built() else None
 
 
 def _declare(lib: ctypes.CDLL) -> None:
