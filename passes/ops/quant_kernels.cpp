@@ -220,7 +220,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool int8_q4 = Q4 && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
   // Q6_K's too (`row_product_q6_int8`): x as q4's, with sums per 16 where q4 has per 32.
   const bool int8_six = six && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
-  const bool x_chunks = (Q4 || six || iq4) && path == Path::bf16 && !int8_q4 && !int8_six;
+  // IQ4's too, as llama.cpp multiplies IQ4_XS by Q8_K (`row_product_q4_int8<MB, false,
+  // true>`: its values looked up as unsigned bytes plus 128, taken off through x's sums as
+  // quantized); its bf16 rows' table lookups were compute-bound at 21 GB/s a core.
+  const bool int8_iq4 = iq4 && CC_INT8_STRIPS && (flags & 32) && path == Path::bf16 && !strips;
+  const bool x_chunks =
+      (Q4 || six || iq4) && path == Path::bf16 && !int8_q4 && !int8_six && !int8_iq4;
   if (CC_INT8_STRIPS && int8_x && !strips && M <= INT8_ROWS_Q8 && !iq4) path = Path::int8;
   // The K-quants', IQ4's and Q8_0's rows on AVX2 with int8 activations where the caller
   // allows them (rows_avx2_int8.h: x quantized per pair of runs), at every row count, so a
@@ -242,7 +247,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool avx2_int8 = !Q4 && !Compact && CC_AVX2_ROWS && path == Path::fp32 && bf &&
                          g == 32 && (flags & 32) && M <= INT8_ROWS_Q8 && !avx2_pairs;
   const int64_t per_row = path == Path::int8 ? K / 4 + 2 * (K / 32) + K / 4
-                          : int8_q4 || int8_six ? (K + 127) / 128 * 32 + K / 32 + K / 16
+                          : int8_q4 || int8_six || int8_iq4 ? (K + 127) / 128 * 32 + K / 32 + K / 16
                           : x_chunks ? K / 2 + K / 16
                           : q4_sums ? K / g
                           : q4_slots ? K + K / 32
@@ -329,9 +334,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     float* scale = base + (K + 127) / 128 * 32;
     return Int8Chunks{reinterpret_cast<int8_t*>(base), scale, scale + K / 32};
   };
-  if (int8_q4 || int8_six)
+  if (int8_q4 || int8_six || int8_iq4)
     for (int64_t m = 0; m < M; ++m)  // Q6_K's sums per group of 16
-      quantize_chunks(static_cast<const bf16*>(x) + m * K, K, int8_chunks(m), int8_six);
+      quantize_chunks(static_cast<const bf16*>(x) + m * K, K, int8_chunks(m), int8_six,
+                      int8_iq4);
 #endif
   int64_t tiled = 0;  // rows [0, tiled) of w go by strips
 #if CC_AVX2_ROWS
@@ -489,6 +495,19 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       return;
     }
   }
+  if constexpr (!Q4 && !Compact && std::is_same_v<S, float>) {
+    if (int8_iq4 && M == 1) {
+      const Int8Chunks x1 = int8_chunks(0);
+      const uint8_t* wq = static_cast<const uint8_t*>(w);
+      one_row_loop(row_bytes, tiled, N, y, flags, bias, [&](int64_t n) {
+        float out;
+        const float* s = scales + n * groups;
+        row_product_q4_int8<1, false, true>(&x1, K, wq + n * row_bytes, s, s, 0, &out);
+        return out;
+      });
+      return;
+    }
+  }
 #endif
   // One row of x: a loop of its own (q4 through it ran 0.87-1.07x, by how the compiler
   // inlined it: docs/kernel-choices.md)
@@ -561,6 +580,16 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       }
 #endif
       if constexpr (!Q4 && !Compact && std::is_same_v<S, float>) {
+#if CC_INT8_STRIPS
+        if (int8_iq4) {
+          Int8Chunks rm[MB_MAX];
+          for (int64_t m = 0; m < mb; ++m) rm[m] = int8_chunks(m0 + m);
+          const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
+          CC_BY_ROWS(mb, (row_product_q4_int8<MB, false, true>(rm, K, wq, s, s, 0, out)));
+          store(y, flags, bias, N, n, m0, mb, out);
+          continue;
+        }
+#endif
         if (iq4 && path == Path::bf16) {
           Bf16Row rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = bf16_row(m0 + m);

@@ -72,12 +72,14 @@ inline void quantize_row_u8(const bf16* x, int64_t K, uint8_t* q, float* scale) 
 struct Int8Chunks {
   int8_t* q;     // [K rounded up to 128]
   float* scale;  // [K/32]: the run's activation scale
-  float* sum;    // [K/32]: the run's sum of x (fp32, for the mins); Q6_K's: [K/16], per 16
+  float* sum;    // [K/32]: the run's sum of x (fp32, for the mins); Q6_K's: [K/16], per 16;
+                 // IQ4's: of x as quantized (scale x the sum of q)
 };
 
 inline int64_t chunked(int64_t K) { return (K + 127) / 128 * 128; }
 
-inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of_16) {
+inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of_16,
+                            bool quantized_sums) {
   std::memset(r.q + K / 128 * 128, 0, chunked(K) - K / 128 * 128);
   for (int64_t run = 0; run < K / 32; ++run) {
     __m512 v[2];
@@ -89,6 +91,10 @@ inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of
     if (sums_of_16) {
       r.sum[2 * run] = _mm512_reduce_add_ps(v[0]);
       r.sum[2 * run + 1] = _mm512_reduce_add_ps(v[1]);
+    } else if (quantized_sums) {
+      int total = 0;
+      for (int i = 0; i < 32; ++i) total += q[i];
+      r.sum[run] = r.scale[run] * float(total);
     } else {
       r.sum[run] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
     }
@@ -110,8 +116,11 @@ inline __m512i fifth_bit_index() {
 
 // FIVE: Q5_K's 5-bit rows (`unpack_q5_row`), their fifth bits added as 16 to the bytes
 // (u < 32 stays unsigned): a chunk's four word masks interleave into one byte mask for the
-// low nibbles and one for the high (`_pdep_u64`); K whole chunks.
-template <int MB, bool FIVE = false, typename SP>
+// low nibbles and one for the high (`_pdep_u64`); K whole chunks. IQ4: IQ4's indices
+// (fp32 scales a run, no mins), each looked up as its value + 128, an unsigned byte
+// (`vpshufb`); the 128 comes off through the run sums of x as quantized (`quantized_sums`),
+// so that it cancels exactly and the error is only x's quantization's, as Q8_0's.
+template <int MB, bool FIVE = false, bool IQ4 = false, typename SP>
 inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t* w, SP s,
                                 SP mn, int shift, float* out) {
   __m512 acc[MB_MAX], mins[MB_MAX];
@@ -121,11 +130,16 @@ inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t
 #if defined(__AVX512BITALG__)
   const __m512i pick5 = fifth_bit_index();
 #endif
+  const __m512i iq4_bytes = _mm512_add_epi8(  // IQ4_VALUES + 128 in each 128-bit lane
+      _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))),
+      _mm512_set1_epi8(char(0x80)));
   const int64_t runs = K / 32;
   for (int64_t r0 = 0; r0 < runs; r0 += 16) {
     const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
     const __mmask16 live = __mmask16((1u << n) - 1);
-    const __m512 d = run_scales(s, r0, n, shift), m_run = run_scales(mn, r0, n, shift);
+    const __m512 d = run_scales(s, r0, n, shift);
+    const __m512 m_run =
+        IQ4 ? _mm512_mul_ps(d, _mm512_set1_ps(-128.f)) : run_scales(mn, r0, n, shift);
     __m512 comb[MB_MAX];  // d x the run's activation scale (0 past the row's runs)
     for (int m = 0; m < MB; ++m) {
       comb[m] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(live, rows[m].scale + r0));
@@ -158,6 +172,10 @@ inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t
         const __m512i sixteen = _mm512_set1_epi8(0x10);
         lo = _mm512_mask_add_epi8(lo, lo5, lo, sixteen);
         hi = _mm512_mask_add_epi8(hi, hi5, hi, sixteen);
+      }
+      if constexpr (IQ4) {
+        lo = _mm512_shuffle_epi8(iq4_bytes, lo);
+        hi = _mm512_shuffle_epi8(iq4_bytes, hi);
       }
       const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(int(p)), quarter);
       for (int m = 0; m < MB; ++m) {
