@@ -4,6 +4,9 @@ drawn by hypothesis, and through the whole engine."""
 from __future__ import annotations
 
 import ctypes
+import functools
+import platform
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +17,10 @@ from hypothesis import strategies as st
 import models.layers.attention  # noqa: F401 - registers the attention op
 from compilecore import cpu_graph
 from compilecore.forward_context import set_forward_context
+from passes import native
 from runtime import LLM, SamplingParams
 from runtime.attention import TorchPagedAttentionBackend
-from runtime.attention.cpu_build import load_cpu_kernels, load_prefill_kernel
+from runtime.attention.cpu_build import build_prefill_kernel, load_cpu_kernels, load_prefill_kernel
 from runtime.attention.cpu_paged import (
     PARALLEL_MIN_WORK,
     ROWS_AS_DECODES,
@@ -205,7 +209,7 @@ def test_bf16_rounding_matches_torch():
 
 
 needs_prefill_kernel = pytest.mark.skipif(
-    load_prefill_kernel() is None, reason="cpu_prefill.cpp needs AVX512-BF16"
+    load_prefill_kernel() is None, reason="cpu_prefill.cpp needs AVX2 or AVX-512"
 )
 
 
@@ -221,7 +225,7 @@ def prefill_batches(draw):
                  heads=kv_heads * draw(st.sampled_from([1, 2, 3])),
                  head_size=draw(st.sampled_from([64, 128])), seqs=seqs,
                  padding=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)),
-                 dtype=torch.bfloat16)  # fmt: skip
+                 dtype=draw(st.sampled_from([torch.bfloat16, torch.float32])))  # fmt: skip
 
 
 @needs_prefill_kernel
@@ -229,10 +233,36 @@ def prefill_batches(draw):
 @given(batch=prefill_batches())
 def test_prefill_kernel_equals_dense(batch):
     """cpu_prefill.cpp's chunks (causal over the new rows, all of a cached prefix) are
-    dense attention."""
+    dense attention: bf16 dot products on a bf16 cache where the CPU has AVX512-BF16,
+    else fp32 multiply-adds, as on fp32 caches."""
     case = build_case(batch)
     run_and_check(case, CpuPagedAttentionBackend(num_threads=2), TOL[batch.dtype])
     assert case.meta.cache["cpu_paged"].chunks  # the kernel took them, not SDPA
+
+
+def _has_avx2() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return platform.machine() == "x86_64" and " avx2" in flags and " fma" in flags
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="runs an AVX2 build: needs an AVX2 CPU")
+@settings(max_examples=12, deadline=None)
+@given(batch=prefill_batches())
+def test_prefill_kernel_as_avx2_builds_it_equals_dense(tmp_path_factory, batch):
+    """The fp32 multiply-adds as an AVX2 CPU builds them (`-march=haswell`: one row a tile,
+    each 16-float vector two registers), whatever this CPU is, on bf16 and fp32 caches."""
+    lib = _avx2_prefill(tmp_path_factory.getbasetemp())
+    backend = CpuPagedAttentionBackend(num_threads=2)
+    backend.prefill_lib = lib
+    case = build_case(batch)
+    run_and_check(case, backend, TOL[batch.dtype])
+    assert case.meta.cache["cpu_paged"].chunks
+
+
+@functools.cache
+def _avx2_prefill(root: Path):
+    flags = [f for f in native.FLAGS if not f.startswith("-march")] + ["-march=haswell"]
+    return build_prefill_kernel(root, flags)
 
 
 @needs_prefill_kernel

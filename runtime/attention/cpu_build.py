@@ -14,7 +14,7 @@ import functools
 from pathlib import Path
 
 from compilecore.config import cache_root
-from passes.native import KernelBuildError, declare, load_library, op_source
+from passes.native import FLAGS, KernelBuildError, declare, load_library, op_source
 
 __all__ = ["KernelBuildError", "load_cpu_kernels"]
 
@@ -26,19 +26,27 @@ PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.cpp")
 def load_cpu_kernels(root: Path | None = None) -> ctypes.CDLL:
     """The compiled kernels (built on first use under `root`); KernelBuildError says why
     not."""
-    lib = load_library(SOURCE.read_text(), "cpu_attention", root or cache_root() / "torch_compile")
+    source = op_source(SOURCE)  # with passes/ops/vec16.h pasted in
+    lib = load_library(source, "cpu_attention", root or cache_root() / "torch_compile")
     _declare(lib)
     return lib
 
 
 @functools.cache
 def load_prefill_kernel(root: Path | None = None) -> ctypes.CDLL | None:
-    """The prefill kernel where this CPU's build has it (AVX512-BF16), else None."""
-    source = op_source(PREFILL_SOURCE)  # with passes/ops/exp16.h pasted in
-    lib = load_library(source, "cpu_prefill", root or cache_root() / "torch_compile")
-    signature = "prefill_bf16(ptr, i64, ptr, ptr, ptr, i64 x2, ptr, i64 x5, f32, i64) -> i64"
-    declare(lib, "prefill_built() -> i64", signature)
+    """The prefill kernels where this CPU's build has them (AVX2 or AVX-512), else None."""
+    lib = build_prefill_kernel(root or cache_root() / "torch_compile")
     return lib if lib.prefill_built() else None
+
+
+def build_prefill_kernel(root: Path, flags: list[str] = FLAGS) -> ctypes.CDLL:
+    """`cpu_prefill.cpp` built with `flags` (a test builds another CPU's level)."""
+    source = op_source(PREFILL_SOURCE)  # with passes/ops' headers pasted in
+    lib = load_library(source, "cpu_prefill", root, flags)
+    args = "ptr, i64, ptr, ptr, ptr, i64 x2, ptr, i64 x5, f32, i64"
+    declare(lib, "prefill_built() -> i64", f"prefill_bf16({args}) -> i64",
+            f"prefill_f32({args}) -> i64")  # fmt: skip
+    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:

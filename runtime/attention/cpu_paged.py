@@ -1,7 +1,6 @@
 """The CPU attention backend: KV writes and decode attention in C++ (`cpu_kernels.cpp`),
-prefill chunks in C++ where the CPU has AVX512-BF16 and the cache is bf16
-(`cpu_prefill.cpp`: ~3.7x SDPA's speed at 512 tokens), elsewhere through the torch
-backend's SDPA path.
+prefill chunks in C++ with AVX2 or AVX-512 (`cpu_prefill.cpp`: ~3.7x SDPA's speed at 512
+tokens in bf16 dot products), elsewhere through the torch backend's SDPA path.
 
 Decode is where the torch backend loses on a CPU: it gathers every sequence's K/V into a
 padded [batch, max_len] copy per layer, then runs batched matmuls over the padding. The
@@ -53,7 +52,7 @@ class _Bound:
     decode: Any
     team_write: Any  # the same calls as team functions, for CPU graphs (integer arguments)
     team_decode: Any
-    prefill: Any  # cpu_prefill.cpp's bf16 chunk kernel (None without one)
+    prefill: Any  # cpu_prefill.cpp's chunk kernel (None without one)
     scale: torch.Tensor  # the softmax scale as a tensor, for team_decode
     k_cache: int
     v_cache: int
@@ -105,7 +104,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             decode=getattr(self.lib, f"decode_{suffix}"),
             team_write=getattr(self.lib, f"write_kv_team_{suffix}"),
             team_decode=getattr(self.lib, f"decode_team_{suffix}"),
-            prefill=self.prefill_lib and self.prefill_lib.prefill_bf16,
+            prefill=self.prefill_lib and getattr(self.prefill_lib, f"prefill_{suffix}"),
             scale=torch.tensor([layer.scale], dtype=torch.float32),
             k_cache=k_cache,
             v_cache=k_cache + kv_cache[0].numel() * kv_cache.element_size(),
@@ -199,7 +198,7 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
         rows = sum(run.num_rows for run in runs)
         work = rows * layer.num_kv_heads * meta.max_seq_len
         prefill, chunks = None, []
-        if meta.num_seqs > meta.num_decodes and self._prefills_natively(layer, kv_cache):
+        if meta.num_seqs > meta.num_decodes and self._prefills_natively(layer):
             chunks = self._chunks(meta)
         elif meta.num_seqs > meta.num_decodes:
             prefill = _plan(meta, kv_cache.shape[2], decode=False)
@@ -216,14 +215,10 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
             chunks=chunks,
         )
 
-    def _prefills_natively(self, layer, kv_cache: torch.Tensor) -> bool:
+    def _prefills_natively(self, layer) -> bool:
         """Whether `cpu_prefill.cpp` takes this model's prefill chunks: built for this CPU,
-        a bf16 cache, a head size it has an instance for."""
-        return (
-            self.prefill_lib is not None
-            and kv_cache.dtype == torch.bfloat16
-            and layer.head_size in PREFILL_HEAD_SIZES
-        )
+        a head size it has an instance for (the cache's dtype is one `supports` takes)."""
+        return self.prefill_lib is not None and layer.head_size in PREFILL_HEAD_SIZES
 
     def _chunks(self, meta: AttentionMetadata) -> list[_Chunk]:
         """The step's prefill chunks (in batch-invariant mode, the queries too long to

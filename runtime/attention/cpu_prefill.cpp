@@ -1,15 +1,18 @@
-// Prefill attention for CPUs with AVX512-BF16: a chunk of one sequence's new tokens
-// attends over the sequence's keys in the paged cache (its cached prefix and, causally,
-// the chunk itself), as flash attention does: per tile of query rows an online softmax
-// over blocks of 32 keys, the scores and the weighted sum of V as bf16 dot products
-// (`vdpbf16ps`, 32 multiply-adds an instruction) accumulated in fp32. torch's SDPA ran
-// this at ~70 GFLOP/s on two Zen 4 cores (docs/kernel-choices.md, Prefill attention).
-//
-// Each KV head's keys are first repacked into the layouts the dot products read: K as
-// [block][D / 2][32 keys][2] (a vector holds a pair of dimensions for 16 keys), V as
-// [block][16 key pairs][D][2] (a vector holds 16 dimensions for a pair of keys). A query
-// row's sums run over the key blocks in order from key 0 whatever the chunking, the batch
-// or the threads: its result depends on its own sequence only.
+// Prefill attention for CPUs: a chunk of one sequence's new tokens attends over the
+// sequence's keys in the paged cache (its cached prefix and, causally, the chunk itself),
+// as flash attention does: per tile of query rows an online softmax over blocks of 32
+// keys, outputs in registers across the blocks. torch's SDPA ran this at ~70 GFLOP/s on
+// two Zen 4 cores (docs/kernel-choices.md, Prefill attention). Two ways to multiply:
+//  - `Bf16Dots` (AVX512-BF16, bf16 caches): the scores and the weighted sum of V as bf16
+//    dot products (`vdpbf16ps`, 32 multiply-adds an instruction) into fp32; the weights
+//    multiplying V rounded to bf16, as SDPA's bf16 path does. K is repacked as
+//    [block][D / 2][32 keys][2] (a vector holds a pair of dimensions for 16 keys), V as
+//    [block][16 key pairs][D][2] (16 dimensions for a pair of keys).
+//  - `F32Fma` (AVX2 or AVX-512F; fp32 caches, and bf16 ones without AVX512-BF16): fp32
+//    multiply-adds on 16-float vectors (passes/ops/vec16.h), K repacked as [block][D][32
+//    keys], V as [block][32 keys][D], both in fp32.
+// A query row's sums run over the key blocks in order from key 0 whatever the chunking,
+// the batch or the threads: its result depends on its own sequence only.
 
 #include <algorithm>
 #include <cmath>
@@ -19,30 +22,34 @@
 #include <vector>
 
 #include "exp16.h"
+#include "vec16.h"
 
 namespace {
 
-using bf16 = uint16_t;
 constexpr int64_t kKeys = 32;      // keys per block: two vectors of scores a row
 constexpr int64_t kRowBlock = 32;  // query rows per task
 
-#if defined(__AVX512BF16__)
-constexpr bool kBuilt = true;
+// Where block b's key j sits in the cache (`row`: elements a slot), or -1 past `len`.
+inline int64_t key_offset(const int32_t* blocks, int64_t block_size, int64_t row, int64_t b,
+                          int64_t j, int64_t len) {
+  const int64_t t = b * kKeys + j;
+  return t < len ? (int64_t(blocks[t / block_size]) * block_size + t % block_size) * row : -1;
+}
 
+#if defined(__AVX512BF16__)
 // Key block b of one KV head, packed (zeros past `len`): kt [D / 2][kKeys] pairs of K,
 // vp [kKeys / 2][D] pairs of V.
 template <int64_t D>
-void pack_block(const bf16* k_cache, const bf16* v_cache, const int32_t* blocks,
-                int64_t block_size, int64_t row, int64_t head, int64_t b, int64_t len,
-                uint32_t* kt, bf16* vp) {
+void pack_block_bf16(const bf16* k_cache, const bf16* v_cache, const int32_t* blocks,
+                     int64_t block_size, int64_t row, int64_t head, int64_t b, int64_t len,
+                     uint32_t* kt, bf16* vp) {
   for (int64_t j = 0; j < kKeys; ++j) {
-    const int64_t t = b * kKeys + j;
+    const int64_t at = key_offset(blocks, block_size, row, b, j, len);
     uint32_t k[D / 2] = {};
     bf16 v[D] = {};
-    if (t < len) {
-      const int64_t slot = int64_t(blocks[t / block_size]) * block_size + t % block_size;
-      std::memcpy(k, k_cache + slot * row + head * D, sizeof k);
-      std::memcpy(v, v_cache + slot * row + head * D, sizeof v);
+    if (at >= 0) {
+      std::memcpy(k, k_cache + at + head * D, sizeof k);
+      std::memcpy(v, v_cache + at + head * D, sizeof v);
     }
     for (int64_t p = 0; p < D / 2; ++p) kt[p * kKeys + j] = k[p];
     bf16* pair = vp + j / 2 * 2 * D + j % 2;
@@ -53,9 +60,9 @@ void pack_block(const bf16* k_cache, const bf16* v_cache, const int32_t* blocks,
 // Query rows [pos, pos + rows) of one head (rows <= R) over keys [0, pos + rows). R rows'
 // outputs (R * D / 16 vectors) stay in registers across the key blocks.
 template <int64_t D, int64_t R>
-void attend_tile(const bf16* q, int64_t q_stride, int64_t rows, int64_t pos,
-                 const uint32_t* kt, const bf16* vp, float scale, bf16* out,
-                 int64_t out_stride) {
+void attend_tile_bf16(const bf16* q, int64_t q_stride, int64_t rows, int64_t pos,
+                      const uint32_t* kt, const bf16* vp, float scale, bf16* out,
+                      int64_t out_stride) {
   constexpr int64_t C = D / 16;
   __m512 o[R][C], s[R][2];
   float m[R], l[R];
@@ -119,42 +126,201 @@ void attend_tile(const bf16* q, int64_t q_stride, int64_t rows, int64_t pos,
   }
 }
 
-template <int64_t D>
-void prefill(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
-             const int32_t* blocks, int64_t context, int64_t rows, bf16* out,
-             int64_t out_stride, int64_t heads, int64_t kv_heads, int64_t block_size,
-             float scale, int64_t threads) {
-  constexpr int64_t R = 256 / D;  // 16 vectors of outputs
+struct Bf16Dots {
+  using Packed = bf16;
+  template <int64_t D>
+  static constexpr int64_t R = 256 / D;  // 16 vectors of outputs
+  template <int64_t D, typename T>
+  static void pack(const T* k_cache, const T* v_cache, const int32_t* blocks,
+                   int64_t block_size, int64_t row, int64_t head, int64_t b, int64_t len,
+                   bf16* k, bf16* v) {
+    pack_block_bf16<D>(k_cache, v_cache, blocks, block_size, row, head, b, len,
+                       reinterpret_cast<uint32_t*>(k), v);
+  }
+  template <int64_t D, typename T>
+  static void tile(const T* q, int64_t q_stride, int64_t rows, int64_t pos, const bf16* k,
+                   const bf16* v, float scale, T* out, int64_t out_stride) {
+    attend_tile_bf16<D, R<D>>(q, q_stride, rows, pos, reinterpret_cast<const uint32_t*>(k), v,
+                              scale, out, out_stride);
+  }
+};
+#endif
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+constexpr bool kBuilt = true;
+
+// Key block b of one KV head in fp32 (zeros past `len`): kt [D][kKeys], vt [kKeys][D].
+template <int64_t D, typename T>
+void pack_block_f32(const T* k_cache, const T* v_cache, const int32_t* blocks,
+                    int64_t block_size, int64_t row, int64_t head, int64_t b, int64_t len,
+                    float* kt, float* vt) {
+  for (int64_t j = 0; j < kKeys; ++j) {
+    const int64_t at = key_offset(blocks, block_size, row, b, j, len);
+    const T* k = k_cache + at + head * D;
+    const T* v = v_cache + at + head * D;
+    for (int64_t x = 0; x < D; ++x) kt[x * kKeys + j] = at >= 0 ? to_float(k[x]) : 0.f;
+    for (int64_t x = 0; x < D; ++x) vt[j * D + x] = at >= 0 ? to_float(v[x]) : 0.f;
+  }
+}
+
+// fp32 in the widest native vectors: 16 floats with AVX-512, 8 with AVX2 (GCC's 16-float
+// vectors split into AVX2 pairs went through memory: 16x slower than SDPA).
+#if defined(__AVX512F__)
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+#else
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+#endif
+constexpr int64_t W = sizeof(vf) / sizeof(float);
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// The same tile as attend_tile_bf16 in fp32 multiply-adds: q scaled once in fp32, the
+// weights multiplying V kept in fp32.
+template <int64_t D, int64_t R, typename T>
+void attend_tile_f32(const T* q, int64_t q_stride, int64_t rows, int64_t pos, const float* kt,
+                     const float* vt, float scale, T* out, int64_t out_stride) {
+  constexpr int64_t C = D / W, S = kKeys / W;  // vectors a row of outputs, of scores
+  vf o[R][C], s[R][S];
+  float m[R], l[R], qf[R][D];
+  for (int64_t r = 0; r < R; ++r) {  // a short tile's spare rows repeat its last row
+    const T* src = q + std::min(r, rows - 1) * q_stride;
+    for (int64_t x = 0; x < D; ++x) qf[r][x] = to_float(src[x]) * scale;
+    m[r] = -INFINITY, l[r] = 0.f;
+    for (int64_t c = 0; c < C; ++c) o[r][c] = vf{};
+  }
+  vi lane;
+  for (int64_t i = 0; i < W; ++i) lane[i] = int32_t(i);
+  alignas(64) float probs[R][kKeys];
+  for (int64_t first = 0; first < pos + rows; first += kKeys) {
+    const float* kb = kt + first * D;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < S; ++j) s[r][j] = vf{};
+    for (int64_t x = 0; x < D; ++x) {
+      vf k[S];
+      for (int64_t j = 0; j < S; ++j) k[j] = loadv(kb + x * kKeys + j * W);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < S; ++j) s[r][j] += qf[r][x] * k[j];
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      if (first + kKeys - 1 > pos + r) {  // the causal edge: keys after the row's own
+        const int32_t limit = int32_t(pos + r - first);
+        for (int64_t j = 0; j < S; ++j)
+          s[r][j] = lane + int32_t(j * W) > limit ? vf{} - INFINITY : s[r][j];
+      }
+      vf top = s[r][0];
+      for (int64_t j = 1; j < S; ++j) top = top > s[r][j] ? top : s[r][j];
+      float mx = m[r];
+      for (int64_t i = 0; i < W; ++i) mx = std::max(mx, top[i]);
+      const float correction = std::exp(m[r] - mx);  // 0 on the first block
+      vf total = vf{};
+      for (int64_t j = 0; j < S; ++j) {
+        const vf p = vexp(s[r][j] - mx);  // 0 at -inf
+        total += p;
+        std::memcpy(probs[r] + j * W, &p, sizeof p);
+      }
+      float sum = 0.f;
+      for (int64_t i = 0; i < W; ++i) sum += total[i];
+      l[r] = l[r] * correction + sum;
+      m[r] = mx;
+      for (int64_t c = 0; c < C; ++c) o[r][c] *= correction;
+    }
+    const float* vb = vt + first * D;
+    for (int64_t j = 0; j < kKeys; ++j) {
+      vf v[C];
+      for (int64_t c = 0; c < C; ++c) v[c] = loadv(vb + j * D + c * W);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < C; ++c) o[r][c] += probs[r][j] * v[c];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t i = 0; i < W; ++i) store(out + r * out_stride + c * W + i, o[r][c][i] / l[r]);
+}
+
+struct F32Fma {
+  using Packed = float;
+#if defined(__AVX512F__)
+  template <int64_t D>
+  static constexpr int64_t R = 256 / D;  // 16 of 32 registers of outputs
+#else
+  template <int64_t D>
+  static constexpr int64_t R = 1;  // AVX2's 16 registers: one row's outputs at head size 64
+#endif
+  template <int64_t D, typename T>
+  static void pack(const T* k_cache, const T* v_cache, const int32_t* blocks,
+                   int64_t block_size, int64_t row, int64_t head, int64_t b, int64_t len,
+                   float* k, float* v) {
+    pack_block_f32<D>(k_cache, v_cache, blocks, block_size, row, head, b, len, k, v);
+  }
+  template <int64_t D, typename T>
+  static void tile(const T* q, int64_t q_stride, int64_t rows, int64_t pos, const float* k,
+                   const float* v, float scale, T* out, int64_t out_stride) {
+    attend_tile_f32<D, R<D>>(q, q_stride, rows, pos, k, v, scale, out, out_stride);
+  }
+};
+
+template <typename P, int64_t D, typename T>
+void prefill(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,
+             const int32_t* blocks, int64_t context, int64_t rows, T* out, int64_t out_stride,
+             int64_t heads, int64_t kv_heads, int64_t block_size, float scale,
+             int64_t threads) {
+  constexpr int64_t R = P::template R<D>;
+  using Packed = typename P::Packed;
   const int64_t len = context + rows, key_blocks = (len + kKeys - 1) / kKeys;
   const int64_t group = heads / kv_heads, head_elems = key_blocks * kKeys * D;
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
-  thread_local std::vector<bf16> packed;  // K then V of each KV head; the team reads it
+  thread_local std::vector<Packed> packed;  // K then V of each KV head; the team reads it
   packed.resize(2 * kv_heads * head_elems);
-  bf16* buf = packed.data();
+  Packed* buf = packed.data();
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < kv_heads * key_blocks; ++task) {
       const int64_t h = task / key_blocks, b = task % key_blocks;
-      bf16* kt = buf + 2 * h * head_elems + b * kKeys * D;
-      pack_block<D>(k_cache, v_cache, blocks, block_size, kv_heads * D, h, b, len,
-                    reinterpret_cast<uint32_t*>(kt), kt + head_elems);
+      Packed* kt = buf + 2 * h * head_elems + b * kKeys * D;
+      P::template pack<D>(k_cache, v_cache, blocks, block_size, kv_heads * D, h, b, len, kt,
+                          kt + head_elems);
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < kv_heads * row_blocks; ++task) {
       // The last rows see the most keys: they go first.
       const int64_t rb = row_blocks - 1 - task / kv_heads, h = task % kv_heads;
-      const bf16* kt = buf + 2 * h * head_elems;
+      const Packed* kt = buf + 2 * h * head_elems;
       const int64_t end = std::min(rows, (rb + 1) * kRowBlock);
       for (int64_t r0 = rb * kRowBlock; r0 < end; r0 += R)
         for (int64_t g = 0; g < group; ++g) {
           const int64_t col = (h * group + g) * D;
-          attend_tile<D, R>(q + r0 * q_stride + col, q_stride, std::min(R, end - r0),
-                            context + r0, reinterpret_cast<const uint32_t*>(kt),
-                            kt + head_elems, scale, out + r0 * out_stride + col, out_stride);
+          P::template tile<D>(q + r0 * q_stride + col, q_stride, std::min(R, end - r0),
+                              context + r0, kt, kt + head_elems, scale,
+                              out + r0 * out_stride + col, out_stride);
         }
     }
   }
+}
+
+// One head size's instance, or false where there is none.
+template <typename P, typename T>
+bool prefill_for(int64_t head_size, const T* q, int64_t q_stride, const T* k_cache,
+                 const T* v_cache, const int32_t* blocks, int64_t context, int64_t rows, T* out,
+                 int64_t out_stride, int64_t heads, int64_t kv_heads, int64_t block_size,
+                 float scale, int64_t threads) {
+  switch (head_size) {
+    case 64:
+      prefill<P, 64>(q, q_stride, k_cache, v_cache, blocks, context, rows, out, out_stride,
+                     heads, kv_heads, block_size, scale, threads);
+      return true;
+    case 128:
+      prefill<P, 128>(q, q_stride, k_cache, v_cache, blocks, context, rows, out, out_stride,
+                      heads, kv_heads, block_size, scale, threads);
+      return true;
+  }
+  return false;
 }
 #else
 constexpr bool kBuilt = false;
@@ -164,33 +330,34 @@ constexpr bool kBuilt = false;
 
 extern "C" {
 
-// Whether this CPU's build has the kernel (AVX512-BF16); where not, prefill_bf16 does
-// nothing and returns 0.
+// Whether this CPU's build has the kernels (AVX2 or AVX-512); where not, prefill_* do
+// nothing and return 0.
 int64_t prefill_built() { return kBuilt; }
 
 // One sequence's chunk: q [rows][q_stride] (heads * head_size per row) at positions
 // [context, context + rows), keys [0, context + rows) in the cache through `blocks`.
 // Returns 0 (and does nothing) for a head size it has no instance for.
-int64_t prefill_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
-                     const int32_t* blocks, int64_t context, int64_t rows, bf16* out,
-                     int64_t out_stride, int64_t heads, int64_t kv_heads, int64_t head_size,
-                     int64_t block_size, float scale, int64_t threads) {
 #if defined(__AVX512BF16__)
-  switch (head_size) {
-    case 64:
-      prefill<64>(q, q_stride, k_cache, v_cache, blocks, context, rows, out, out_stride, heads,
-                  kv_heads, block_size, scale, threads);
-      return 1;
-    case 128:
-      prefill<128>(q, q_stride, k_cache, v_cache, blocks, context, rows, out, out_stride,
-                   heads, kv_heads, block_size, scale, threads);
-      return 1;
-  }
+#define CC_PREFILL_BF16 Bf16Dots
+#else
+#define CC_PREFILL_BF16 F32Fma
 #endif
-  (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)blocks, (void)context;
-  (void)rows, (void)out, (void)out_stride, (void)heads, (void)kv_heads, (void)head_size;
-  (void)block_size, (void)scale, (void)threads;
-  return 0;
-}
+#define CC_PREFILL(NAME, T, POLICY)                                                          \
+  int64_t prefill_##NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,   \
+                         const int32_t* blocks, int64_t context, int64_t rows, T* out,       \
+                         int64_t out_stride, int64_t heads, int64_t kv_heads,                \
+                         int64_t head_size, int64_t block_size, float scale,                 \
+                         int64_t threads) {                                                  \
+    return prefill_for<POLICY>(head_size, q, q_stride, k_cache, v_cache, blocks, context,    \
+                               rows, out, out_stride, heads, kv_heads, block_size, scale,    \
+                               threads);                                                     \
+  }
+#if defined(__AVX2__) || defined(__AVX512F__)
+CC_PREFILL(bf16, bf16, CC_PREFILL_BF16)
+CC_PREFILL(f32, float, F32Fma)
+#else  // no instances: Python sees prefill_built() == 0 and never calls these
+int64_t prefill_bf16() { return 0; }
+int64_t prefill_f32() { return 0; }
+#endif
 
 }  // extern "C"
