@@ -26,8 +26,13 @@ PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.cpp")
 def load_cpu_kernels(root: Path | None = None) -> ctypes.CDLL:
     """The compiled kernels (built on first use under `root`); KernelBuildError says why
     not."""
-    source = op_source(SOURCE)  # with passes/ops/vec16.h pasted in
-    lib = load_library(source, "cpu_attention", root or cache_root() / "torch_compile")
+    return build_cpu_kernels(root or cache_root() / "torch_compile")
+
+
+def build_cpu_kernels(root: Path, flags: list[str] = FLAGS) -> ctypes.CDLL:
+    """`cpu_kernels.cpp` built with `flags` (a test builds another CPU's level)."""
+    source = op_source(SOURCE)  # with passes/ops/fvec.h pasted in
+    lib = load_library(source, "cpu_attention", root, flags)
     _declare(lib)
     return lib
 

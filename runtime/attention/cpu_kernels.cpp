@@ -19,12 +19,12 @@
 #include <omp.h>
 #include <vector>
 
-#include "vec16.h"
+#include "fvec.h"
 
 namespace {
 
 constexpr int64_t kMaxGroupDims = 8192;  // query heads per KV head x head size
-constexpr int64_t kChunk = 16;           // tokens per online-softmax update: one vector
+constexpr int64_t kChunk = 16;           // tokens per online-softmax update (W divides it)
 constexpr int64_t kMaxGroup = 64;
 constexpr int64_t kMaxParts = 16;        // parts a sequence is split into (split-KV)
 constexpr int64_t kMinPartTokens = 32;   // no part shorter than this
@@ -43,12 +43,19 @@ struct OnlineSoftmax {
     for (int64_t g = 0; g < group; ++g) {
       float* sg = scores + g * kChunk;
       for (int64_t j = n; j < kChunk; ++j) sg[j] = -INFINITY;  // a short last chunk
-      f32x16 sv = load16(sg);
-      const float m = std::max(max[g], hmax(sv));
+      vf sv[kChunk / W], top = loadv(sg), total = vf{};
+      for (int64_t i = 0; i < kChunk / W; ++i) {
+        sv[i] = loadv(sg + i * W);
+        top = top > sv[i] ? top : sv[i];
+      }
+      const float m = std::max(max[g], hmax(top));
       correction[g] = std::exp(max[g] - m);
-      sv = vexp(sv - m);
-      std::memcpy(sg, &sv, sizeof sv);
-      sum[g] = sum[g] * correction[g] + hsum(sv);
+      for (int64_t i = 0; i < kChunk / W; ++i) {
+        sv[i] = vexp(sv[i] - m);
+        std::memcpy(sg + i * W, &sv[i], sizeof sv[i]);
+        total += sv[i];
+      }
+      sum[g] = sum[g] * correction[g] + hsum(total);
       max[g] = m;
     }
   }
@@ -164,19 +171,19 @@ void decode_one(const T* q, const T* k_cache, const T* v_cache, const int32_t* b
 }
 
 // The same online softmax with the head dimension in registers: D is a compile-time
-// multiple of 16, so each K/V row is D / 16 vector loads and every dot product is D / 16
+// multiple of 16, so each K/V row is D / W vector loads and every dot product is D / W
 // independent multiplies and one horizontal sum.
 template <typename T, int64_t D>
 void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
                     int64_t begin, int64_t end, float* state, int64_t group,
                     int64_t num_kv_heads, int64_t kv_head, int64_t block_size, float scale) {
-  constexpr int64_t C = D / 16;
-  f32x16 qv[kMaxGroupDims / 16], acc[kMaxGroupDims / 16], row[C];
+  constexpr int64_t C = D / W;
+  vf qv[kMaxGroupDims / W], acc[kMaxGroupDims / W], row[C];
   float scores[kMaxGroup * kChunk];
   OnlineSoftmax softmax(group);
   for (int64_t i = 0; i < group * C; ++i) {
-    qv[i] = load16(q + i * 16) * scale;
-    acc[i] = f32x16{};
+    qv[i] = loadv(q + i * W) * scale;
+    acc[i] = vf{};
   }
   SlotCursor cursor(blocks, block_size, begin);
   int64_t rows[kChunk];
@@ -185,9 +192,9 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_
     cursor.next(n, num_kv_heads * D, rows);
     for (int64_t j = 0; j < n; ++j) {
       const T* k = k_cache + rows[j] + kv_head * D;
-      for (int64_t c = 0; c < C; ++c) row[c] = load16(k + c * 16);
+      for (int64_t c = 0; c < C; ++c) row[c] = loadv(k + c * W);
       for (int64_t g = 0; g < group; ++g) {
-        f32x16 dot = qv[g * C] * row[0];
+        vf dot = qv[g * C] * row[0];
         for (int64_t c = 1; c < C; ++c) dot += qv[g * C + c] * row[c];
         scores[g * kChunk + j] = hsum(dot);
       }
@@ -197,7 +204,7 @@ void decode_one_vec(const T* q, const T* k_cache, const T* v_cache, const int32_
       for (int64_t c = 0; c < C; ++c) acc[g * C + c] *= softmax.correction[g];
     for (int64_t j = 0; j < n; ++j) {
       const T* v = v_cache + rows[j] + kv_head * D;
-      for (int64_t c = 0; c < C; ++c) row[c] = load16(v + c * 16);
+      for (int64_t c = 0; c < C; ++c) row[c] = loadv(v + c * W);
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * kChunk + j];
         for (int64_t c = 0; c < C; ++c) acc[g * C + c] += p * row[c];

@@ -9,8 +9,8 @@
 //    [block][D / 2][32 keys][2] (a vector holds a pair of dimensions for 16 keys), V as
 //    [block][16 key pairs][D][2] (16 dimensions for a pair of keys).
 //  - `F32Fma` (AVX2 or AVX-512F; fp32 caches, and bf16 ones without AVX512-BF16): fp32
-//    multiply-adds on 16-float vectors (passes/ops/vec16.h), K repacked as [block][D][32
-//    keys], V as [block][32 keys][D], both in fp32.
+//    multiply-adds on the widest native vectors (passes/ops/fvec.h), K repacked as
+//    [block][D][32 keys], V as [block][32 keys][D], both in fp32.
 // A query row's sums run over the key blocks in order from key 0 whatever the chunking,
 // the batch or the threads: its result depends on its own sequence only.
 
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "exp16.h"
-#include "vec16.h"
+#include "fvec.h"
 
 namespace {
 
@@ -161,23 +161,6 @@ void pack_block_f32(const T* k_cache, const T* v_cache, const int32_t* blocks,
     for (int64_t x = 0; x < D; ++x) kt[x * kKeys + j] = at >= 0 ? to_float(k[x]) : 0.f;
     for (int64_t x = 0; x < D; ++x) vt[j * D + x] = at >= 0 ? to_float(v[x]) : 0.f;
   }
-}
-
-// fp32 in the widest native vectors: 16 floats with AVX-512, 8 with AVX2 (GCC's 16-float
-// vectors split into AVX2 pairs went through memory: 16x slower than SDPA).
-#if defined(__AVX512F__)
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-#else
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-#endif
-constexpr int64_t W = sizeof(vf) / sizeof(float);
-
-inline vf loadv(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
 }
 
 // The same tile as attend_tile_bf16 in fp32 multiply-adds: q scaled once in fp32, the

@@ -1,8 +1,6 @@
-// 16-float vectors in GCC's vector extensions for the CPU attention kernels
-// (runtime/attention/cpu_kernels.cpp, cpu_prefill.cpp): one AVX-512 register with
-// -march=native on an AVX-512 CPU, two AVX2 ones elsewhere (GCC splits them), so the
-// source stays portable. bf16 <-> fp32 as torch rounds, loads, horizontal sums and maxima,
-// and exp.
+// Float vectors for the CPU attention kernels (runtime/attention/cpu_kernels.cpp,
+// cpu_prefill.cpp) in GCC's vector extensions, so the source stays portable: bf16 <-> fp32
+// as torch rounds, loads, horizontal sums and maxima, and exp.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -32,39 +30,57 @@ inline void store(bf16* dst, float x) {
   *dst = bf16(bits >> 16);
 }
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+// The widest native vector of floats: W lanes. GCC's 16-float vectors, which an AVX2 build
+// splits in pairs, went through memory there: decode 2.3-6.7x and prefill 16x slower than
+// this width (both built for haswell on a Zen 4; docs/kernel-choices.md, Prefill attention).
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+#else
+constexpr int64_t W = 8;
+#endif
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline f32x16 load16(const bf16* p) {
-  u16x16 half;
+inline vf loadv(const bf16* p) {
+  vh half;
   std::memcpy(&half, p, sizeof half);
-  const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-  f32x16 v;
+  const vu bits = __builtin_convertvector(half, vu) << 16;
+  vf v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
 }
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 
-inline float hsum(f32x16 v) {
-  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+// W lanes folded to 8 (a no-op at W = 8): the two halves combined by `op`.
+template <typename Op>
+inline f32x8 fold8(vf v, Op op) {
+#if defined(__AVX512F__)
+  return op(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7),
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+#else
+  (void)op;
+  return v;
+#endif
+}
+
+inline float hsum(vf v) {
+  const f32x8 a = fold8(v, [](f32x8 x, f32x8 y) { return x + y; });
   f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
   b += __builtin_shufflevector(b, b, 1, 0, 3, 2);
   return b[0];
 }
 
-inline float hmax(f32x16 v) {
-  const f32x8 a1 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const f32x8 a2 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x8 a = a1 > a2 ? a1 : a2;
+inline float hmax(vf v) {
+  const f32x8 a = fold8(v, [](f32x8 x, f32x8 y) { return x > y ? x : y; });
   const f32x4 b1 = __builtin_shufflevector(a, a, 0, 1, 2, 3);
   const f32x4 b2 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
   float m = -INFINITY;
@@ -75,7 +91,7 @@ inline float hmax(f32x16 v) {
 // exp for x <= 0 in fp32: 2^n * p(r) with r = x - n ln 2 in [-ln2 / 2, ln2 / 2] and p the
 // degree-6 Taylor polynomial (relative error ~2e-7); below -87 (and -inf) it is exactly 0.
 // A scalar libm call per score cost more than the dot products it follows.
-template <typename V>  // f32x16, or any GCC vector of floats
+template <typename V>  // vf, or any GCC vector of floats
 inline V vexp(V x) {
   typedef int32_t IV __attribute__((vector_size(sizeof(V))));
   const IV underflow = x < -87.f;
