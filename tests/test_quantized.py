@@ -395,7 +395,8 @@ def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
     activations to int8 against max |x| / 127,
     which moves an output by at most sum over runs of (max |x| in the run / 254) * sum
     |d q| over the run (q4's mins and Q6_K's offset multiply x's exact sums); a last pair
-    of runs (K % 128 = 64) included. Q5_K's 5-bit rows have no strips: their row products
+    of runs (K % 128 = 64) included. Q5_K's 5-bit rows take int8 strips from 16 rows
+    where AMX has no tiles (its rows unpacked to bytes per strip), else their row products
     take it at every row count. With AVX2 alone (`int8_pairs`) the K-quants' row products
     take it at every row count. Elsewhere the argument changes nothing."""
     g = torch.Generator().manual_seed(rows)
@@ -413,11 +414,12 @@ def test_k_quant_int8_activations_stay_within_their_bound(fmt, rows):
         values = quantized.dequantize_q4_ref(*fields, torch.float64)
         steps = values - _values(fields[2]).double().repeat_interleave(32, 1)  # d q, no min
     exact, got = product(), product(True)
-    strips = {"q6_k": 6, "q5_k": None}.get(fmt, 8)
+    strips = {"q6_k": 6, "q5_k": None if quantized.amx_tiles() else 16}.get(fmt, 8)
     tiles = quantized.amx_tiles() and rows <= 64  # exact, where AMX has them
-    q4_k_strips = fmt == "q4_k" and not quantized.amx_tiles()  # else tiles, a dense copy
-    dense = rows > quantized.BF16_ROWS[4] and fmt != "q6_k" and not q4_k_strips  # exact x
-    int8_strips = q4_k_strips or fmt == "q6_k" and not tiles
+    # Q4_K's and Q5_K's int8 strips, where AMX has no tiles for them (else a dense copy)
+    k_strips = fmt in ("q4_k", "q5_k") and not quantized.amx_tiles()
+    dense = rows > quantized.BF16_ROWS[4] and fmt != "q6_k" and not k_strips  # exact x
+    int8_strips = k_strips or fmt == "q6_k" and not tiles
     quantizes = quantized.int8_strips() and not dense and (
         strips is None or rows < strips or int8_strips
     )

@@ -201,8 +201,10 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       five ? K / 128 * Q5_CHUNK_BYTES : Q4 || iq4 ? K / 2 : six ? K / 4 * 3 : K;
   // fp32 x [M, K]; then per row what its path needs (counted in floats): the int8 path's
   // QuantRow (K int8s, two run arrays, K/4 int32s), q4's bf16 path's reordered row and sums.
-  const int64_t tiled_rows = Q4 ? TILED_ROWS_Q4 : TILED_ROWS_Q8;
-  const bool strips = path == Path::bf16 && N >= TILE_N && !five &&
+  const int64_t tiled_rows = !Q4 ? TILED_ROWS_Q8 : five ? TILED_ROWS_Q5 : TILED_ROWS_Q4;
+  // (Q5_K's only on int8 activations: its 5-bit values as bytes, as Q4_K's nibbles)
+  const bool strips = path == Path::bf16 && N >= TILE_N &&
+                      (!five || (CC_INT8_STRIPS && (flags & 32))) &&
                       ((flags & 128) ? M > INVARIANT_ROWS : M >= tiled_rows);
   // Q8_0 with int8 activations where the caller allows it (flags bit 5), as llama.cpp
   // multiplies: its strips from 6 rows, the integer row product up to INT8_ROWS_Q8 rows
@@ -211,7 +213,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   const bool int8_x = !Q4 && g == 32 && (flags & 32) && path == Path::bf16;
   // Q4_K's strips likewise (as llama.cpp multiplies Q4_K by Q8_K): its nibbles as Q8_0's
   // bytes, the mins through x's exact run sums (`Strip8`).
-  const bool int8_q4k = Q4 && Compact && !five && g == 32 && (flags & 32) && path == Path::bf16;
+  const bool int8_q4k = Q4 && Compact && g == 32 && (flags & 32) && path == Path::bf16;
   // And Q6_K's, its values as the bytes, an offset and a scale per half run (its groups).
   const bool int8_q6k = six && g == 16 && (flags & 32) && path == Path::bf16;
   const bool int8_strips = CC_INT8_STRIPS && strips && (int8_x || int8_q4k || int8_q6k);
@@ -407,6 +409,7 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
         for (int64_t r = 0; (iq4 || six || Q4) && r < TILE_N; ++r) {
           const uint8_t* row = static_cast<const uint8_t*>(w) + (n0 + r) * row_bytes;
           if (six) unpack_q6_row(row, K, unpacked + r * K);
+          else if (five) unpack_q5_row(row, K, reinterpret_cast<uint8_t*>(unpacked + r * K));
           else unpack_nibbles(row, K, Q4 ? Q4_VALUES : IQ4_VALUES, unpacked + r * K);
           rows = unpacked;
         }

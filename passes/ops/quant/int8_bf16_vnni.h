@@ -104,16 +104,6 @@ inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of
   }
 }
 
-#if defined(__AVX512BITALG__)
-// For `vpshufbitqmb` over a 64-bit pair of Q5_K's masks: byte b selects bit 32 (b % 2) +
-// b / 2, its value's fifth bit (`unpack_q5_row` has the layout).
-inline __m512i fifth_bit_index() {
-  alignas(64) uint8_t index[64];
-  for (int b = 0; b < 64; ++b) index[b] = uint8_t(32 * (b % 2) + b / 2);
-  return _mm512_load_si512(index);
-}
-#endif
-
 // FIVE: Q5_K's 5-bit rows (`unpack_q5_row`), their fifth bits added as 16 to the bytes
 // (u < 32 stays unsigned): a chunk's four word masks interleave into one byte mask for the
 // low nibbles and one for the high (`_pdep_u64`); K whole chunks. IQ4: IQ4's indices
@@ -127,9 +117,7 @@ inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t
   for (int m = 0; m < MB; ++m) acc[m] = mins[m] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-#if defined(__AVX512BITALG__)
-  const __m512i pick5 = fifth_bit_index();
-#endif
+  const Q5Masks fifths;
   const __m512i iq4_bytes = _mm512_add_epi8(  // IQ4_VALUES + 128 in each 128-bit lane
       _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(IQ4_VALUES))),
       _mm512_set1_epi8(char(0x80)));
@@ -154,25 +142,7 @@ inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t
       const __m512i v = _mm512_maskz_loadu_epi8(bytes, chunk);
       __m512i lo = _mm512_and_si512(v, low);
       __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      if constexpr (FIVE) {
-#if defined(__AVX512BITALG__)
-        // Byte b's bit is bit b / 2 of mask b % 2 (of 2 + b % 2 for the high values):
-        // one bit shuffle a mask (`vpshufbitqmb`) where `_pdep_u64` took two and an or.
-        uint64_t pair[2];  // masks 0 and 1, masks 2 and 3
-        std::memcpy(pair, chunk + 64, sizeof pair);
-        const __mmask64 lo5 = _mm512_bitshuffle_epi64_mask(_mm512_set1_epi64(pair[0]), pick5);
-        const __mmask64 hi5 = _mm512_bitshuffle_epi64_mask(_mm512_set1_epi64(pair[1]), pick5);
-#else
-        uint32_t fifth[4];  // bit i: the value word i (bytes 2i, 2i + 1) holds, by part
-        std::memcpy(fifth, chunk + 64, sizeof fifth);
-        const uint64_t even = 0x5555555555555555ull, odd = ~even;
-        const __mmask64 lo5 = _pdep_u64(fifth[0], even) | _pdep_u64(fifth[1], odd);
-        const __mmask64 hi5 = _pdep_u64(fifth[2], even) | _pdep_u64(fifth[3], odd);
-#endif
-        const __m512i sixteen = _mm512_set1_epi8(0x10);
-        lo = _mm512_mask_add_epi8(lo, lo5, lo, sixteen);
-        hi = _mm512_mask_add_epi8(hi, hi5, hi, sixteen);
-      }
+      if constexpr (FIVE) fifths.add(chunk + 64, lo, hi);
       if constexpr (IQ4) {
         lo = _mm512_shuffle_epi8(iq4_bytes, lo);
         hi = _mm512_shuffle_epi8(iq4_bytes, hi);
