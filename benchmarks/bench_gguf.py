@@ -49,7 +49,6 @@ from common import (  # noqa: E402
     machine,
     read_bandwidth,
     save_results,
-    weight_bytes,
 )
 
 from models.default_model import find_gguf  # noqa: E402
@@ -116,14 +115,6 @@ def git_sha() -> str:
 def prompt_for(llm: LLM, round_: int) -> list[int]:
     question = f"Round {round_}: write a short story about a lighthouse keeper."
     return llm.apply_chat_template([{"role": "user", "content": question}])["prompt_token_ids"]
-
-
-def greedy_step_bytes(llm: LLM) -> int:
-    """The weight bytes a greedy batch-1 step reads: every weight (a quantized head's
-    blocks included), a 16-bit head through its int8 screen where it has one."""
-    if hasattr(llm.llm_engine.model.lm_head, "weight"):
-        return bytes_read_per_token(llm, None)
-    return weight_bytes(llm)
 
 
 def spread(values: list[float]) -> str:
@@ -211,7 +202,7 @@ def main(argv: list[str] | None = None) -> Path:
                 f"{k[1]} {v[-1]:.1f}" for k, v in speeds.items() if k[0] == f.name))  # fmt: skip
     rows = [{"file": "(memory)", "engine": "plain sum, before each round",
              "GB/s median (range)": spread(sum_gbps)}]  # fmt: skip
-    step_bytes = {f.name: greedy_step_bytes(llm) for f, llm in engines.items()}
+    step_bytes = {f.name: bytes_read_per_token(llm, None) for f, llm in engines.items()}
     for (name, engine), values in speeds.items():
         row = {"file": name, "engine": engine, "tok/s median (range)": spread(values)}
         if engine == "compilecore greedy":  # the weights a step reads, at what rate

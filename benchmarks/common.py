@@ -214,12 +214,13 @@ def weight_bytes(llm: LLM) -> int:
 
 def bytes_read_per_token(llm: LLM, sampling: dict[str, float] | None) -> int:
     """The weight bytes a batch-1 decode step of `llm` reads (asked after such steps ran):
-    all weights, except that a greedy step (`sampling` None: no logprobs either) reads
-    the LM head through its int8 screen (passes/ops/gemv.py) where it has one."""
+    all weights (a quantized head's blocks included), except that a greedy step
+    (`sampling` None: no logprobs either) reads a 16-bit LM head through its int8 screen
+    (passes/ops/gemv.py) where it has one."""
     from passes.ops import gemv
 
-    head = llm.llm_engine.model.lm_head.weight
-    screen = gemv.screen_bytes(head) if sampling is None else None
+    head = getattr(llm.llm_engine.model.lm_head, "weight", None)  # None: quantized
+    screen = gemv.screen_bytes(head) if sampling is None and head is not None else None
     if screen is None:
         return weight_bytes(llm)
     return weight_bytes(llm) - head.numel() * head.element_size() + screen

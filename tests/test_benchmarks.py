@@ -184,6 +184,23 @@ def test_aot_compile_compare_smoke():
             assert r[phase]["first_call_s"] > 0 and r[phase]["call_us"] > 0
 
 
+def test_bytes_read_per_token_counts_a_quantized_heads_blocks(tmp_path, tiny_llama):
+    """A GGUF whose head stays quantized (Q8_0) has no 16-bit weight to screen: a greedy
+    step reads every weight, its blocks included (this raised before, so bench_latency
+    could not run on such a file)."""
+    from runtime import LLM, SamplingParams
+    from tests.gguf_files import Q, write_gguf
+
+    common = _load("common")
+    path = tmp_path / "q8_head.gguf"
+    write_gguf(path, tiny_llama[1], {"lm_head": Q.Q8_0}, Q.Q4_1)
+    llm = LLM(str(path), tokenizer=str(tiny_llama[0]), enforce_eager=True, max_model_len=128)
+    assert not hasattr(llm.llm_engine.model.lm_head, "weight")
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert common.bytes_read_per_token(llm, None) == common.weight_bytes(llm)
+    assert common.bytes_read_per_token(llm, {"temperature": 1.0}) == common.weight_bytes(llm)
+
+
 def test_ab_quant_kernels_smoke(tiny_gguf, tokenizer_dir, capsys):
     """Two builds of the quantized kernels (here the committed one and the working
     tree's), one engine each on a GGUF file, alternating rounds; the process's own build is
