@@ -28,6 +28,7 @@ from runtime.attention.cpu_build import (
 )
 from runtime.attention.cpu_paged import (
     PARALLEL_MIN_WORK,
+    PREFILL_HEAD_SIZES,
     ROWS_AS_DECODES,
     CpuPagedAttentionBackend,
 )
@@ -228,13 +229,19 @@ def prefill_batches(draw):
              for _ in range(draw(st.integers(1, 2)))]  # fmt: skip
     return Batch(block_size=draw(st.sampled_from([1, 16, 32])), kv_heads=kv_heads,
                  heads=kv_heads * draw(st.sampled_from([1, 2, 3])),
-                 head_size=draw(st.sampled_from([64, 128])), seqs=seqs,
+                 head_size=draw(st.sampled_from(PREFILL_HEAD_SIZES)), seqs=seqs,
                  padding=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**16)),
                  dtype=draw(st.sampled_from([torch.bfloat16, torch.float32])))  # fmt: skip
 
 
 @needs_prefill_kernel
 @settings(max_examples=30, deadline=None)
+@example(batch=Batch(block_size=16, kv_heads=2, heads=6, head_size=96, seqs=[(40, 1), (45, 70)],
+                     padding=1, seed=2, dtype=torch.bfloat16))  # fmt: skip
+@example(batch=Batch(block_size=1, kv_heads=1, heads=2, head_size=256, seqs=[(3, 37)],
+                     padding=0, seed=3, dtype=torch.float32))  # fmt: skip
+@example(batch=Batch(block_size=32, kv_heads=1, heads=3, head_size=80, seqs=[(0, 33)],
+                     padding=0, seed=4, dtype=torch.bfloat16))  # fmt: skip
 @given(batch=prefill_batches())
 def test_prefill_kernel_equals_dense(batch):
     """cpu_prefill.cpp's chunks (causal over the new rows, all of a cached prefix) are
@@ -243,6 +250,25 @@ def test_prefill_kernel_equals_dense(batch):
     case = build_case(batch)
     run_and_check(case, CpuPagedAttentionBackend(num_threads=2), TOL[batch.dtype])
     assert case.meta.cache["cpu_paged"].chunks  # the kernel took them, not SDPA
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prefill_rows_bits_do_not_depend_on_its_chunking(threads, dtype):
+    """A row attends over its keys block by block from key 0 whatever chunk it is in and
+    on any number of threads: 100 rows in one chunk and as the 63 after 37 cached give the
+    same bits (bf16 dot products or fp32 multiply-adds)."""
+    outs = []
+    for ctx in (0, 37):
+        batch = Batch(block_size=16, kv_heads=3, heads=9, head_size=64,
+                      seqs=[(ctx, 100 - ctx)], padding=0, seed=5, dtype=dtype)  # fmt: skip
+        case = build_case(batch)
+        if outs:  # the same queries: the first run's rows from position 37
+            case.q.copy_(outs[0][1][ctx:])
+        out = run_and_check(case, CpuPagedAttentionBackend(num_threads=threads), TOL[dtype])
+        outs.append((out, case.q))
+    assert torch.equal(outs[1][0], outs[0][0][37:])
 
 
 def _has_avx2() -> bool:

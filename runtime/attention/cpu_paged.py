@@ -33,7 +33,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # sequence so both threads work (docs/kernel-choices.md, Decode attention). Eager steps only: a
 # CPU graph replays decode in a team already awake.
 PARALLEL_MIN_WORK = 192
-PREFILL_HEAD_SIZES = (64, 128)  # cpu_prefill.cpp's instances
+PREFILL_HEAD_SIZES = (64, 80, 96, 128, 256)  # cpu_prefill.cpp's instances
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -293,16 +293,19 @@ bool prefill_for(int64_t head_size, const T* q, int64_t q_stride, const T* k_cac
                  const T* v_cache, const int32_t* blocks, int64_t context, int64_t rows, T* out,
                  int64_t out_stride, int64_t heads, int64_t kv_heads, int64_t block_size,
                  float scale, int64_t threads) {
-  switch (head_size) {
-    case 64:
-      prefill<P, 64>(q, q_stride, k_cache, v_cache, blocks, context, rows, out, out_stride,
-                     heads, kv_heads, block_size, scale, threads);
-      return true;
-    case 128:
-      prefill<P, 128>(q, q_stride, k_cache, v_cache, blocks, context, rows, out, out_stride,
-                      heads, kv_heads, block_size, scale, threads);
-      return true;
+#define CC_PREFILL_CASE(DIM)                                                                 \
+  case DIM:                                                                                  \
+    prefill<P, DIM>(q, q_stride, k_cache, v_cache, blocks, context, rows, out, out_stride,    \
+                    heads, kv_heads, block_size, scale, threads);                             \
+    return true;
+  switch (head_size) {  // the decode kernel's vector sizes (cpu_kernels.cpp, decode_task)
+    CC_PREFILL_CASE(64)
+    CC_PREFILL_CASE(80)
+    CC_PREFILL_CASE(96)
+    CC_PREFILL_CASE(128)
+    CC_PREFILL_CASE(256)
   }
+#undef CC_PREFILL_CASE
   return false;
 }
 #else
