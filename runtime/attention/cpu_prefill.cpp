@@ -156,10 +156,10 @@ void pack_block_f32(const T* k_cache, const T* v_cache, const int32_t* blocks,
                     float* kt, float* vt) {
   for (int64_t j = 0; j < kKeys; ++j) {
     const int64_t at = key_offset(blocks, block_size, row, b, j, len);
-    const T* k = k_cache + at + head * D;
-    const T* v = v_cache + at + head * D;
-    for (int64_t x = 0; x < D; ++x) kt[x * kKeys + j] = at >= 0 ? to_float(k[x]) : 0.f;
-    for (int64_t x = 0; x < D; ++x) vt[j * D + x] = at >= 0 ? to_float(v[x]) : 0.f;
+    for (int64_t x = 0; x < D; ++x) {
+      kt[x * kKeys + j] = at >= 0 ? to_float(k_cache[at + head * D + x]) : 0.f;
+      vt[j * D + x] = at >= 0 ? to_float(v_cache[at + head * D + x]) : 0.f;
+    }
   }
 }
 
