@@ -28,7 +28,6 @@ from runtime.attention.cpu_build import (
 )
 from runtime.attention.cpu_paged import (
     PARALLEL_MIN_WORK,
-    PREFILL_HEAD_SIZES,
     ROWS_AS_DECODES,
     CpuPagedAttentionBackend,
 )
@@ -214,6 +213,7 @@ def test_bf16_rounding_matches_torch():
     assert out[0, -1] == 0
 
 
+PREFILL_HEAD_SIZES = (64, 80, 96, 128, 256)  # cpu_prefill.cpp's instances
 needs_prefill_kernel = pytest.mark.skipif(
     load_prefill_kernel() is None, reason="cpu_prefill.cpp needs AVX2 or AVX-512"
 )
@@ -269,6 +269,26 @@ def test_a_prefill_rows_bits_do_not_depend_on_its_chunking(threads, dtype):
         out = run_and_check(case, CpuPagedAttentionBackend(num_threads=threads), TOL[dtype])
         outs.append((out, case.q))
     assert torch.equal(outs[1][0], outs[0][0][37:])
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_says_which_head_sizes_it_has():
+    """The kernel names its head sizes (the backend asks it, never a copy of its list);
+    a chunk of another head size goes through SDPA and is still dense attention, and
+    routed to the kernel regardless it fails closed rather than leave its rows unwritten."""
+    lib = load_prefill_kernel()
+    assert [d for d in range(8, 520, 8) if lib.prefill_head_size(d)] == list(PREFILL_HEAD_SIZES)
+    batch = Batch(block_size=4, kv_heads=1, heads=2, head_size=32, seqs=[(3, 40)], padding=0,
+                  seed=6, dtype=torch.bfloat16)  # fmt: skip
+    case = build_case(batch)
+    run_and_check(case, CpuPagedAttentionBackend(num_threads=2), TOL[batch.dtype])
+    step = case.meta.cache["cpu_paged"]
+    assert not step.chunks and step.prefill is not None
+    forced = CpuPagedAttentionBackend(num_threads=2)
+    forced._prefills_natively = lambda layer: True
+    case = build_case(batch)
+    with pytest.raises(RuntimeError, match="head size 32"):
+        forced.forward(case.layer, case.q, case.k, case.v, torch.empty_like(case.q), case.meta)
 
 
 def _has_avx2() -> bool:

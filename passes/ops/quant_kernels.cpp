@@ -336,10 +336,12 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
     float* scale = base + (K + 127) / 128 * 32;
     return Int8Chunks{reinterpret_cast<int8_t*>(base), scale, scale + K / 32};
   };
-  if (int8_q4 || int8_six || int8_iq4)
-    for (int64_t m = 0; m < M; ++m)  // Q6_K's sums per group of 16
-      quantize_chunks(static_cast<const bf16*>(x) + m * K, K, int8_chunks(m), int8_six,
-                      int8_iq4);
+  if (int8_q4 || int8_six || int8_iq4) {
+    const RunSums sums = int8_six ? RunSums::exact16 : int8_iq4 ? RunSums::quantized
+                                                                : RunSums::exact;
+    for (int64_t m = 0; m < M; ++m)
+      quantize_chunks(static_cast<const bf16*>(x) + m * K, K, int8_chunks(m), sums);
+  }
 #endif
   int64_t tiled = 0;  // rows [0, tiled) of w go by strips
 #if CC_AVX2_ROWS
@@ -478,36 +480,28 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   }
 #endif
 #if CC_INT8_STRIPS
-  // The K-quants' one row of x on int8 activations too: in the general loop below, beside
-  // Q5_K's instance and its fp32 fallback, Q4_K's read 0.75x (docs/kernel-choices.md).
-  if constexpr (Q4 && Compact) {
-    if (int8_q4 && M == 1) {
+  // The K-quants' and IQ4's one row of x on int8 activations too: in the general loop
+  // below, beside Q5_K's instance and its fp32 fallback, Q4_K's read 0.75x
+  // (docs/kernel-choices.md).
+  if constexpr ((Q4 && Compact) || (!Q4 && !Compact && std::is_same_v<S, float>)) {
+    if ((int8_q4 || int8_iq4) && M == 1) {
       const Int8Chunks x1 = int8_chunks(0);
       const uint8_t* wq = static_cast<const uint8_t*>(w);
       auto rows = [&](auto five_k) {
         one_row_loop(row_bytes, tiled, N, y, flags, bias, [&](int64_t n) {
           float out;
-          row_product_q4_int8<1, decltype(five_k)::value>(
-              &x1, K, wq + n * row_bytes, fields_at<Q4, Compact>(scales, groups, n, scales),
-              fields_at<Q4, Compact>(mins, groups, n, mins), shift, &out);
+          const int64_t row = Compact ? 0 : n * groups;  // fields read as they are
+          const S* m_rows = Q4 ? mins : scales;  // IQ4 has no mins: its scales stand in
+          const auto s = fields_at<Q4, Compact>(scales, groups, n, scales + row);
+          const auto mn = fields_at<Q4, Compact>(m_rows, groups, n, m_rows + row);
+          // IQ4's groups are runs: a constant 0 shift (a runtime one cost its product 7%)
+          row_product_q4_int8<1, decltype(five_k)::value, !Q4>(&x1, K, wq + n * row_bytes, s,
+                                                               mn, Q4 ? shift : 0, &out);
           return out;
         });
       };
-      if (five) rows(std::true_type{});
+      if (Q4 && five) rows(std::bool_constant<Q4>{});  // no FIVE instance for IQ4
       else rows(std::false_type{});
-      return;
-    }
-  }
-  if constexpr (!Q4 && !Compact && std::is_same_v<S, float>) {
-    if (int8_iq4 && M == 1) {
-      const Int8Chunks x1 = int8_chunks(0);
-      const uint8_t* wq = static_cast<const uint8_t*>(w);
-      one_row_loop(row_bytes, tiled, N, y, flags, bias, [&](int64_t n) {
-        float out;
-        const float* s = scales + n * groups;
-        row_product_q4_int8<1, false, true>(&x1, K, wq + n * row_bytes, s, s, 0, &out);
-        return out;
-      });
       return;
     }
   }

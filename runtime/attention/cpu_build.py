@@ -49,8 +49,8 @@ def build_prefill_kernel(root: Path, flags: list[str] = FLAGS) -> ctypes.CDLL:
     source = op_source(PREFILL_SOURCE)  # with passes/ops' headers pasted in
     lib = load_library(source, "cpu_prefill", root, flags)
     args = "ptr, i64, ptr, ptr, ptr, i64 x2, ptr, i64 x5, f32, i64"
-    declare(lib, "prefill_built() -> i64", f"prefill_bf16({args}) -> i64",
-            f"prefill_f32({args}) -> i64")  # fmt: skip
+    declare(lib, "prefill_built() -> i64", "prefill_head_size(i64) -> i64",
+            f"prefill_bf16({args}) -> i64", f"prefill_f32({args}) -> i64")  # fmt: skip
     return lib
 
 

@@ -33,7 +33,6 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # sequence so both threads work (docs/kernel-choices.md, Decode attention). Eager steps only: a
 # CPU graph replays decode in a team already awake.
 PARALLEL_MIN_WORK = 192
-PREFILL_HEAD_SIZES = (64, 80, 96, 128, 256)  # cpu_prefill.cpp's instances
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -142,10 +141,12 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
                          output.stride(0), run.num_rows, *bound.shape, step.threads,
                          self.max_parts)  # fmt: skip
         for chunk in step.chunks:
-            bound.prefill(q[chunk.start].data_ptr(), q.stride(0), bound.k_cache, bound.v_cache,
-                          chunk.block_table.data_ptr(), chunk.context, chunk.rows,
-                          output[chunk.start].data_ptr(), output.stride(0), *bound.shape[:4],
-                          bound.shape[4], self.num_threads)  # fmt: skip
+            done = bound.prefill(q[chunk.start].data_ptr(), q.stride(0), bound.k_cache,
+                                 bound.v_cache, chunk.block_table.data_ptr(), chunk.context,
+                                 chunk.rows, output[chunk.start].data_ptr(), output.stride(0),
+                                 *bound.shape[:4], bound.shape[4], self.num_threads)  # fmt: skip
+            if not done:  # never leave the rows unwritten
+                raise RuntimeError(f"cpu_prefill.cpp has no kernel for head size {layer.head_size}")
         if step.prefill is not None:
             self._prefill(layer, q, bound.cache, output, step.prefill)
 
@@ -218,7 +219,9 @@ class CpuPagedAttentionBackend(TorchPagedAttentionBackend):
     def _prefills_natively(self, layer) -> bool:
         """Whether `cpu_prefill.cpp` takes this model's prefill chunks: built for this CPU,
         a head size it has an instance for (the cache's dtype is one `supports` takes)."""
-        return self.prefill_lib is not None and layer.head_size in PREFILL_HEAD_SIZES
+        return self.prefill_lib is not None and bool(
+            self.prefill_lib.prefill_head_size(layer.head_size)
+        )
 
     def _chunks(self, meta: AttentionMetadata) -> list[_Chunk]:
         """The step's prefill chunks (in batch-invariant mode, the queries too long to

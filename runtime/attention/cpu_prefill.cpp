@@ -28,6 +28,9 @@ namespace {
 
 constexpr int64_t kKeys = 32;      // keys per block: two vectors of scores a row
 constexpr int64_t kRowBlock = 32;  // query rows per task
+// The head sizes with an instance: the decode kernel's vector sizes (cpu_kernels.cpp,
+// decode_task). One list for the dispatch and for `prefill_head_size`.
+#define CC_PREFILL_HEAD_SIZES(X) X(64) X(80) X(96) X(128) X(256)
 
 // Where block b's key j sits in the cache (`row`: elements a slot), or -1 past `len`.
 inline int64_t key_offset(const int32_t* blocks, int64_t block_size, int64_t row, int64_t b,
@@ -298,13 +301,7 @@ bool prefill_for(int64_t head_size, const T* q, int64_t q_stride, const T* k_cac
     prefill<P, DIM>(q, q_stride, k_cache, v_cache, blocks, context, rows, out, out_stride,    \
                     heads, kv_heads, block_size, scale, threads);                             \
     return true;
-  switch (head_size) {  // the decode kernel's vector sizes (cpu_kernels.cpp, decode_task)
-    CC_PREFILL_CASE(64)
-    CC_PREFILL_CASE(80)
-    CC_PREFILL_CASE(96)
-    CC_PREFILL_CASE(128)
-    CC_PREFILL_CASE(256)
-  }
+  switch (head_size) { CC_PREFILL_HEAD_SIZES(CC_PREFILL_CASE) }
 #undef CC_PREFILL_CASE
   return false;
 }
@@ -319,6 +316,13 @@ extern "C" {
 // Whether this CPU's build has the kernels (AVX2 or AVX-512); where not, prefill_* do
 // nothing and return 0.
 int64_t prefill_built() { return kBuilt; }
+
+// Whether prefill_* have an instance for this head size.
+int64_t prefill_head_size(int64_t head_size) {
+#define CC_PREFILL_SIZE(DIM) || head_size == DIM
+  return kBuilt && (false CC_PREFILL_HEAD_SIZES(CC_PREFILL_SIZE));
+#undef CC_PREFILL_SIZE
+}
 
 // One sequence's chunk: q [rows][q_stride] (heads * head_size per row) at positions
 // [context, context + rows), keys [0, context + rows) in the cache through `blocks`.

@@ -228,6 +228,16 @@ constexpr int STRIP_MB = 8;  // rows of x a strip takes at a time (12: no faster
 // words q4's bf16 row product widens a chunk into (`row_product_q4_bf16<MB, true>` reads
 // chunks in place). The other paths read values unpacked by this (u in [0, 31]).
 constexpr int64_t Q5_CHUNK_BYTES = 80;
+#if defined(__AVX512F__)
+// Four runs' values from q4's order, lo holding run r's values 0-15 in 128-bit lane r and hi
+// its 16-31, stored as the runs in order at out (128 values).
+inline void store_runs(__m512i lo, __m512i hi, void* out) {
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  _mm512_storeu_si512(out, _mm512_permutex2var_epi64(lo, first, hi));
+  _mm512_storeu_si512(static_cast<char*>(out) + 64, _mm512_permutex2var_epi64(lo, second, hi));
+}
+#endif
 #if defined(__AVX512BW__) && defined(__BMI2__)
 // A chunk's fifth bits added as 16 to its low values' bytes `lo` and its high values' `hi`
 // (its nibbles masked in place: byte b = 16r + j): byte b's bit is bit b / 2 of mask b % 2
@@ -269,16 +279,12 @@ inline void unpack_q5_row(const uint8_t* w, int64_t K, uint8_t* out) {
   // products at 8 rows)
   const Q5Masks fifths;
   const __m512i low = _mm512_set1_epi8(0x0f);
-  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-  const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   for (; c < K / 128; ++c) {
     const uint8_t* chunk = w + c * Q5_CHUNK_BYTES;
     const __m512i v = _mm512_loadu_si512(chunk);
     __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     fifths.add(chunk + 64, lo, hi);
-    // run r: lo's 128-bit lane r (its values 0-15), then hi's (16-31)
-    _mm512_storeu_si512(out + c * 128, _mm512_permutex2var_epi64(lo, first, hi));
-    _mm512_storeu_si512(out + c * 128 + 64, _mm512_permutex2var_epi64(lo, second, hi));
+    store_runs(lo, hi, out + c * 128);
   }
 #endif
   for (; c < K / 128; ++c) {
@@ -406,11 +412,7 @@ inline void unpack_nibbles(const uint8_t* w, int64_t K, const int8_t* values, in
     const __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
     const __m512i hi =
         _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-    // run r: lo's 128-bit lane r (its values 0-15), then hi's (16-31)
-    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
-    const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
-    _mm512_storeu_si512(out + run * 32, _mm512_permutex2var_epi64(lo, first, hi));
-    _mm512_storeu_si512(out + run * 32 + 64, _mm512_permutex2var_epi64(lo, second, hi));
+    store_runs(lo, hi, out + run * 32);
   }
 #elif defined(__AVX2__)
   const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(

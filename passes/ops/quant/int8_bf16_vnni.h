@@ -78,8 +78,11 @@ struct Int8Chunks {
 
 inline int64_t chunked(int64_t K) { return (K + 127) / 128 * 128; }
 
-inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of_16,
-                            bool quantized_sums) {
+// What `Int8Chunks::sum` holds: x's exact sums per run of 32 (q4's mins), per 16 (Q6_K's
+// offset), or the sums of x as quantized, per run (IQ4's offset, which then cancels).
+enum class RunSums { exact, exact16, quantized };
+
+inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, RunSums sums) {
   std::memset(r.q + K / 128 * 128, 0, chunked(K) - K / 128 * 128);
   for (int64_t run = 0; run < K / 32; ++run) {
     __m512 v[2];
@@ -88,10 +91,10 @@ inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of
           reinterpret_cast<const __m256i*>(x + run * 32 + h * 16))), 16));
     alignas(32) int8_t q[32];
     r.scale[run] = quantize_run(v[0], v[1], _mm_setzero_si128(), q);
-    if (sums_of_16) {
+    if (sums == RunSums::exact16) {
       r.sum[2 * run] = _mm512_reduce_add_ps(v[0]);
       r.sum[2 * run + 1] = _mm512_reduce_add_ps(v[1]);
-    } else if (quantized_sums) {
+    } else if (sums == RunSums::quantized) {
       int total = 0;
       for (int i = 0; i < 32; ++i) total += q[i];
       r.sum[run] = r.scale[run] * float(total);
@@ -108,7 +111,7 @@ inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, bool sums_of
 // (u < 32 stays unsigned): a chunk's four word masks interleave into one byte mask for the
 // low nibbles and one for the high (`_pdep_u64`); K whole chunks. IQ4: IQ4's indices
 // (fp32 scales a run, no mins), each looked up as its value + 128, an unsigned byte
-// (`vpshufb`); the 128 comes off through the run sums of x as quantized (`quantized_sums`),
+// (`vpshufb`); the 128 comes off through the run sums of x as quantized (RunSums),
 // so that it cancels exactly and the error is only x's quantization's, as Q8_0's.
 template <int MB, bool FIVE = false, bool IQ4 = false, typename SP>
 inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t* w, SP s,
