@@ -170,9 +170,10 @@ class FullCudaGraph:
     each piece and attention's kernels layer by layer). The step must read every input
     from persistent buffers and launch a fixed grid: the runner pads the batch to the
     capture size and gives attention the model's longest context to size its KV splits
-    (the kernels read each sequence's real length on the device)."""
+    (the kernels read each sequence's real length on the device). The step returns a
+    tensor or a tuple of them (the runner's: the logits and the greedy tokens)."""
 
-    def __init__(self, step: Callable[[], torch.Tensor], engine_config: EngineConfig):
+    def __init__(self, step: Callable[[], Any], engine_config: EngineConfig):
         step()  # warm-up: lazy initialisation and Triton's compiles must not be captured
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=graph_pool(engine_config)):
@@ -180,12 +181,12 @@ class FullCudaGraph:
         # Held weakly: the memory goes back to the shared pool, and the next (smaller)
         # capture's logits reuse it. Held strongly, every size's logits would stay
         # (sizes 1..256 x a 49152-token vocabulary in fp32: ~830 MB).
-        self.output = weak_ref_tensor(output)
+        self.output = weak_ref_tensors(output)
         compilation_counter.num_full_cudagraph_captured += 1
 
-    def replay(self) -> torch.Tensor:
-        """The step's output, in memory that other graphs of the pool reuse: read it
-        before the next replay of any graph."""
+    def replay(self) -> Any:
+        """The step's outputs, in memory that other graphs of the pool reuse: read them
+        (or enqueue what reads them) before the next replay of any graph."""
         self.graph.replay()
         compilation_counter.num_full_cudagraph_replays += 1
         return self.output

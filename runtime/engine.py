@@ -181,7 +181,9 @@ class LLMEngine:
         launched = None
         if sampling:
             requests = [s.request for s in sampling]
-            tokens = self.sampler.device_tokens(logits[: len(requests)], requests)
+            tokens = self.executor.graph_tokens()  # an all-greedy step's, from its graph
+            if tokens is None:
+                tokens = self.sampler.device_tokens(logits[: len(requests)], requests)
             launched = InflightStep(requests, tokens)
         self._inflight = launched
         return self._read(last) if last is not None else []
@@ -219,12 +221,13 @@ class LLMEngine:
             requests = [s.request for s in sampling]
             if len(requests) != len(plan.logits_rows):  # no torch call otherwise: each is cold
                 logits = logits[: len(requests)]
-            finished += self._append_sampled(requests, logits)
+            finished += self._append_sampled(requests, logits, self.executor.graph_tokens())
         return finished
 
-    def _append_sampled(self, requests: list[Request], logits) -> list[Request]:
-        """Each request's token drawn from its row, appended and checked for stops."""
-        sampled = self.sampler(logits, requests, self.eos_token_ids)
+    def _append_sampled(self, requests: list[Request], logits, greedy=None) -> list[Request]:
+        """Each request's token drawn from its row (`greedy`: an all-greedy step's tokens,
+        computed in its graph), appended and checked for stops."""
+        sampled = self.sampler(logits, requests, self.eos_token_ids, greedy)
         finished = []
         for req, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
             if token == NO_TOKEN:  # nothing could be drawn: the request ends here

@@ -75,6 +75,9 @@ class LocalExecutor:
         with on_device(self.device):
             return self.worker.execute(plan, feed)
 
+    def graph_tokens(self) -> torch.Tensor | None:
+        return self.worker.graph_tokens()
+
     def shutdown(self) -> None:
         pass
 
@@ -232,6 +235,9 @@ class MultiprocExecutor:
             return self.worker.execute(plan)
         except BaseException as e:
             raise self._failure(e) from e
+
+    def graph_tokens(self) -> torch.Tensor | None:
+        return self.worker.graph_tokens()  # the driver's (rank 0 holds the logits)
 
     def _check_workers(self) -> None:
         if any(not p.is_alive() for p in self.procs):

@@ -258,6 +258,11 @@ class ModelRunner:
         full = self._full_graphs_possible(attn_backend)
         self.full_graph_sizes = [s for s in sizes if s <= max_seqs] if full else []
         self.full_graphs: dict[int, FullCudaGraph] = {}
+        # The full graphs compute greedy tokens too (runtime/greedy_kernel.py) where this
+        # flag holds 1 (a step whose rows all take the argmax); `graph_tokens` holds them
+        # after such a step, None after any other.
+        self.greedy_flag = torch.zeros(1, dtype=torch.int32, device=dev) if full else None
+        self.graph_tokens: torch.Tensor | None = None
         # CPU graphs: decode-only steps at a size with static code, one process, compiled.
         cpu_graphs = (
             self.device.type == "cpu"
@@ -407,14 +412,21 @@ class ModelRunner:
         # Only for this step: whoever computes logits next (a test, a tool) gets them all.
         self._set_argmax_only(plan.argmax_only)
         self._feed = feed
+        self.graph_tokens = None
         try:
+            if isinstance(graph, FullCudaGraph):
+                self._write_inputs(pad_decode_plan(plan, size), logits_rows=False)
+                self.greedy_flag.fill_(int(plan.argmax_only))
+                logits, tokens = graph.replay()
+                if plan.argmax_only:
+                    self.graph_tokens = tokens[: plan.num_tokens]
+                return logits if size == plan.num_tokens else logits[: plan.num_tokens]
             if graph is not None:
                 # A recorded step calls no torch function on the way, not even inference mode's
                 # guard: right after the weights have streamed through the caches each such call
                 # costs tens of microseconds (docs/kernel-choices.md, Host time).
                 self._write_inputs(pad_decode_plan(plan, size), logits_rows=False)
-                if self.device.type == "cpu":
-                    compilation_counter.num_cpu_graph_replays += 1
+                compilation_counter.num_cpu_graph_replays += 1
                 logits = graph.replay()
                 if size in self._unchecked:
                     logits = self._check_first_replay(plan, size, logits)
@@ -636,6 +648,8 @@ class ModelRunner:
         captures, which reuse its memory in the shared pool, are done."""
         if not self.full_graph_sizes:
             return
+        from runtime.greedy_kernel import greedy_tokens  # imports Triton
+
         start = time.perf_counter()
         stand_in = list(self.full_graphs.values())  # alive until the captures below end
         self.full_graphs.clear()
@@ -644,10 +658,11 @@ class ModelRunner:
             _, meta = self._load(pad_decode_plan(StepPlan(), size))
             meta.max_seq_len = self.config.model_config.max_model_len
 
-            def step(size: int = size, meta: AttentionMetadata = meta) -> torch.Tensor:
+            def step(size: int = size, meta: AttentionMetadata = meta):
                 with set_forward_context(meta, self.config, full_graph=True):
                     out = self.model(self.input_ids[:size], self.positions[:size], None)
-                    return self.model.compute_logits(out[:size])
+                    logits = self.model.compute_logits(out[:size])
+                    return logits, greedy_tokens(logits, self.greedy_flag)
 
             self.full_graphs[size] = FullCudaGraph(step, self.config)
         torch.cuda.synchronize(self.device)

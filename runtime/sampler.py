@@ -162,7 +162,12 @@ class Sampler:
         logits: torch.Tensor,
         requests: list[Request],
         eos_ids: frozenset[int] = frozenset(),
+        greedy: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """`greedy`: the rows' greedy tokens where a full CUDA graph computed them (every
+        request plain greedy: runtime/greedy_kernel.py), read instead of the logits."""
+        if greedy is not None:
+            return SamplerOutput(greedy[: len(requests)].tolist(), [None] * len(requests))
         if (view := self._cpu_view(logits)) is not None:
             # The common decode step in as few calls as possible: each one is cold after the
             # weights have streamed through the caches, and a cached view needs no torch call

@@ -267,3 +267,7 @@ class Worker:
 
     def execute(self, plan: StepPlan, feed: Feed | None = None) -> torch.Tensor | None:
         return self.runner.execute(plan, feed)
+
+    def graph_tokens(self) -> torch.Tensor | None:
+        """The last step's greedy tokens where its full CUDA graph computed them."""
+        return self.runner.graph_tokens

@@ -85,6 +85,30 @@ def test_each_cudagraph_mode_equals_eager(tiny_llama, mode):
 
 
 @gpu
+def test_greedy_steps_take_their_tokens_from_the_graph(graphed, tiny_llama):
+    """An all-greedy decode step's tokens come from its full graph (runtime/greedy_kernel.py),
+    in sync and async engines, and equal eager decoding's; a step with a sampled row reads
+    none from the graph."""
+    llm, _ = graphed
+    eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True,
+                kv_cache_memory=256 * 2**20)  # fmt: skip
+    piped = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", async_scheduling=True,
+                compilation_config={"cudagraph_capture_sizes": SIZES},
+                kv_cache_memory=256 * 2**20)  # fmt: skip
+    prompts = [[3 + i, 7, 11 + i] for i in range(5)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
+    for engine in (llm, piped):
+        got = engine.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        assert engine.llm_engine.runner.graph_tokens is not None  # the last step's
+        short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+        engine.generate(prompts[:2], [short, sampled], use_tqdm=False)  # sampled to the end
+        assert engine.llm_engine.runner.graph_tokens is None
+
+
+@gpu
 def test_full_graphs_stop_at_max_num_seqs(tiny_llama, tmp_path):
     """A decode-only step has a token a sequence: capture sizes beyond max_num_seqs get
     no full graph (their metadata would not fit) and those steps stay piecewise."""
