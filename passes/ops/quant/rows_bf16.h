@@ -104,9 +104,12 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
   const __m512i exponent = _mm512_set1_epi16(0x4300), low = _mm512_set1_epi16(0x000f);
   const int64_t runs = K / 32;
   const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  for (int64_t r0 = 0; r0 < runs; r0 += 16) {
-    const int64_t n = runs - r0 < 16 ? runs - r0 : 16;
-    const __mmask16 live = __mmask16((1u << n) - 1);
+  // A block of 16 runs; FULL (all but a row's last partial one) works out no masks: the
+  // K-quants' exact rows 1.20x at one row from L3 (as `row_product_q4_int8`).
+  const auto block = [&](int64_t r0, auto full) {
+    constexpr bool FULL = decltype(full)::value;
+    const int64_t n = FULL || runs - r0 >= 16 ? 16 : runs - r0;
+    const __mmask16 live = FULL ? 0xffff : __mmask16((1u << n) - 1);
     const __m512 d = run_scales(s, r0, n, shift);
     const __m512 m_eff = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), run_scales(mn, r0, n, shift));
     for (int m = 0; m < MB; ++m)
@@ -164,7 +167,11 @@ inline void row_product_q4_bf16(const Bf16Row* rows, int64_t K, const uint8_t* w
         acc[m] = _mm512_fmadd_ps(dot, scale, acc[m]);
       }
     }
-  }
+  };
+  int64_t r0 = 0;
+  if constexpr (MB <= 2)  // (at 3 rows the unrolled blocks ran 0.90x: registers)
+    for (; r0 + 16 <= runs; r0 += 16) block(r0, std::true_type{});
+  for (; r0 < runs; r0 += 16) block(r0, std::false_type{});
   for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], mins[m]));
 }
 // IQ4_VALUES as bf16 words 0-15 of a vector (integers, exact in bf16), for `vpermw`.
