@@ -107,6 +107,16 @@ inline void quantize_chunks(const bf16* x, int64_t K, Int8Chunks r, RunSums sums
   }
 }
 
+// Each byte's high nibble as a byte: one GF(2) affine op where GFNI builds (each output
+// bit i < 4 is input bit i + 4), else a shift and a mask.
+inline __m512i high_nibbles(__m512i v) {
+#if defined(__GFNI__)
+  return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0f));
+#endif
+}
+
 // FIVE: Q5_K's 5-bit rows (`unpack_q5_row`), their fifth bits added as 16 to the bytes
 // (u < 32 stays unsigned): a chunk's four word masks interleave into one byte mask for the
 // low nibbles and one for the high (`_pdep_u64`); K whole chunks. IQ4: IQ4's indices
@@ -149,7 +159,7 @@ inline void row_product_q4_int8(const Int8Chunks* rows, int64_t K, const uint8_t
       const __mmask64 bytes = n - p >= 4 ? ~0ull : (1ull << ((n - p) * 16)) - 1;
       const __m512i v = FULL ? _mm512_loadu_si512(chunk) : _mm512_maskz_loadu_epi8(bytes, chunk);
       __m512i lo = _mm512_and_si512(v, low);
-      __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      __m512i hi = high_nibbles(v);
       if constexpr (FIVE) fifths.add(chunk + 64, lo, hi);
       if constexpr (IQ4) {
         lo = _mm512_shuffle_epi8(iq4_bytes, lo);
