@@ -624,8 +624,8 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
           Int8Chunks rm[MB_MAX];
           for (int64_t m = 0; m < mb; ++m) rm[m] = int8_chunks(m0 + m);
           const uint8_t* wq = reinterpret_cast<const uint8_t*>(wrow);
-          if (five) CC_BY_ROWS(mb, row_product_q4_int8<MB, true>(rm, K, wq, sp, mp, shift, out));
-          else CC_BY_ROWS(mb, row_product_q4_int8<MB>(rm, K, wq, sp, mp, shift, out));
+          if (five) CC_BY_ROWS(mb, rows_product_q4_int8<MB, true>(rm, K, wq, sp, mp, shift, out));
+          else CC_BY_ROWS(mb, rows_product_q4_int8<MB>(rm, K, wq, sp, mp, shift, out));
           store(y, flags, bias, N, n, m0, mb, out);
           continue;
         }
