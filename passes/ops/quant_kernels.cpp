@@ -505,6 +505,19 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
       return;
     }
   }
+  if constexpr (!Q4 && Compact) {  // Q6_K's one row likewise
+    if (int8_six && M == 1) {
+      const Int8Chunks x1 = int8_chunks(0);
+      const uint8_t* wq = static_cast<const uint8_t*>(w);
+      one_row_loop(row_bytes, tiled, N, y, flags, bias, [&](int64_t n) {
+        float out;
+        const auto s = fields_at<Q4, Compact>(scales, groups, n, scales);
+        row_product_q6_int8<1>(&x1, K, wq + n * row_bytes, s, &out);
+        return out;
+      });
+      return;
+    }
+  }
 #endif
   // One row of x: a loop of its own (q4 through it ran 0.87-1.07x, by how the compiler
   // inlined it: docs/kernel-choices.md)
