@@ -520,7 +520,28 @@ void product_team(const void* x, int64_t flags, const void* w, const S* scales, 
   }
 #endif
   // One row of x: a loop of its own (q4 through it ran 0.87-1.07x, by how the compiler
-  // inlined it: docs/kernel-choices.md)
+  // inlined it, until the product was forced inline: docs/kernel-choices.md)
+  if constexpr (Q4) {  // the exact q4 products (Q4_0, Q4_1; the K-quants' without int8)
+    if (path == Path::bf16 && M == 1 && !strips && !int8_q4) {
+      const Bf16Row x1 = bf16_row(0);
+      const uint8_t* wq = static_cast<const uint8_t*>(w);
+      auto rows = [&](auto five_k) {
+        // Flattened: the product and its blocks inlined into the row loop
+        one_row_loop(row_bytes, tiled, N, y, flags, bias, [&](int64_t n) __attribute__((flatten)) {
+          float out;
+          const int64_t row = Compact ? 0 : n * groups;  // fields read as they are
+          const auto s = fields_at<Q4, Compact>(scales, groups, n, scales + row);
+          const auto mn = fields_at<Q4, Compact>(mins, groups, n, mins + row);
+          row_product_q4_bf16<1, decltype(five_k)::value>(&x1, K, wq + n * row_bytes, s, mn,
+                                                         shift, &out);
+          return out;
+        });
+      };
+      if (five) rows(std::true_type{});
+      else rows(std::false_type{});
+      return;
+    }
+  }
   if constexpr (!Q4) {
     if (path == Path::bf16 && M == 1 && !six && !iq4) {
       auto fields = [&](int64_t n) {
