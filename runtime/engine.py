@@ -136,6 +136,8 @@ class LLMEngine:
             if req is not None and not req.is_finished:
                 req.finished_time = time.perf_counter()
                 self.scheduler.finish(req, "abort")
+                if self.proposer is not None:
+                    self.proposer.forget(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -355,6 +357,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finished_time = time.perf_counter()
         self.scheduler.finish(req, reason)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
 
     def output_text(self, request_id: str) -> str:
         return self.detokenizers[request_id].text

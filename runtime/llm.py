@@ -534,9 +534,9 @@ def build_engine_config(
 
 def _draft_engine(config: EngineConfig, engine_args: dict[str, Any]) -> LLMEngine | None:
     """The draft model's engine for speculative_config's "draft_model" method (None for
-    any other): the target's device, lengths, batch and cache settings, prefix caching on
-    (a proposal then computes only what the draft has not seen); the same vocabulary, or an
-    error naming both."""
+    any other): the target's device, lengths, batch and cache settings, no prefix caching
+    (its sequences are rewound over rejected drafts: runtime/spec_decode.py); the same
+    vocabulary, or an error naming both."""
     spec = config.speculative_config
     if spec is None or spec.model is None:
         return None
@@ -549,7 +549,7 @@ def _draft_engine(config: EngineConfig, engine_args: dict[str, Any]) -> LLMEngin
     cc = config.compilation_config
     draft_config = build_engine_config(
         spec.model, **args, max_model_len=config.model_config.max_model_len,
-        device=str(config.device), enable_prefix_caching=True,
+        device=str(config.device), enable_prefix_caching=False,
         compilation_config={"cache_dir": cc.cache_dir} if cc.cache_dir else None,
     )  # fmt: skip
     ours = config.model_config.hf_config.vocab_size

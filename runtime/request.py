@@ -63,6 +63,9 @@ class Request:
     # runtime/async_scheduling.py); the scheduler counts them as the request's next inputs.
     num_pending: int = 0
     spec: SpecState = field(default_factory=SpecState)
+    # A draft model's sequence between proposals (runtime/spec_decode.py): the scheduler
+    # keeps its KV and computes nothing for it.
+    held: bool = False
 
     def __post_init__(self) -> None:
         # One list for prompt and output, appended in place: the block hashes and the

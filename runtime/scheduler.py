@@ -110,6 +110,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.held:
+                i += 1
+                continue
             if self.max_model_len is not None and req.pending_ends_it(self.max_model_len):
                 i += 1  # its last token is on the device: nothing after it to compute
                 continue
@@ -184,6 +187,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req.request_id)
         req.num_computed_tokens = 0
+        req.held = False  # (a draft sequence: rewound at its next proposal)
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING

@@ -5,10 +5,12 @@ Proposing, method "ngram": where a request's last n tokens (n from `prompt_looku
 down to `prompt_lookup_min`) occurred earlier in its prompt or output, the tokens that
 followed the longest such occurrence are proposed, up to `num_speculative_tokens`. Method
 "draft_model": a smaller model with the same tokenizer, run as an engine of its own (its
-compiled graphs and CPU or CUDA graphs, its KV cache with prefix caching), decodes each
-proposing request's next tokens greedily; its cache holds every whole block of tokens it
-has seen, so a proposal computes the request's new tail and k decode steps
-(`DraftModelProposer`).
+compiled graphs and CPU or CUDA graphs, its KV cache), decodes each proposing request's
+next tokens greedily in a sequence of its own that lives as long as the request: between
+proposals it is held (its KV kept, not scheduled); the next proposal rewinds it to the
+tokens it shares with the request (the accepted drafts) and appends the request's newer
+ones, so a proposal computes the tokens verification emitted and k - 1 decode steps, as
+vLLM's draft model keeps its KV (`DraftModelProposer`).
 
 Verifying: a decoding request with proposals d1..dk is scheduled as a query of 1 + k
 tokens (its last token, then d1..dk) at the next positions: a chunk of an ordinary step,
@@ -198,18 +200,51 @@ class Proposer:
     def _judge(self, state: SpecState, accepted: int) -> None:
         state.score = (state.score + accepted) / 2
 
+    def forget(self, request_id: str) -> None:
+        """The request finished or was aborted (nothing kept for it here)."""
+
 
 class DraftModelProposer(Proposer):
-    """Drafts from a draft model's engine (`draft`: an LLMEngine on the smaller model):
-    each proposing request's tokens go in as a request of the draft engine, greedy, for as
-    many tokens as the request may take; they come back as its drafts. A greedy draft
-    proposes each token with probability 1, so the verification rules are the n-gram
-    method's (`sample_verified`)."""
+    """Drafts from a draft model's engine (`draft`: an LLMEngine on the smaller model, no
+    prefix caching: its sequences are rewound): each request has a greedy sequence there
+    (`sequences`), run on for as many tokens as the request may take; they come back as its
+    drafts. A greedy draft proposes each token with probability 1, so the verification
+    rules are the n-gram method's (`sample_verified`)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, draft):
         super().__init__(config, max_model_len)
         self.draft = draft
         self._ids = itertools.count()
+        self.sequences: dict[str, Request] = {}  # by the request's id
+
+    def forget(self, request_id: str) -> None:
+        """The request finished or left: its sequence's KV goes back to the draft engine."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            self.draft.abort_request(seq.request_id)
+
+    def _sequence(self, req: Request) -> Request:
+        """`req`'s sequence in the draft engine with `req`'s tokens: the one kept since the
+        last proposal, rewound to the tokens both share (its KV past them is computed again
+        or overwritten) with `req`'s newer tokens after them; or a new one."""
+        seq = self.sequences.get(req.request_id)
+        tokens = req.all_token_ids
+        if seq is not None and not seq.is_finished:
+            agree = _shared_prefix(seq.all_token_ids, tokens)
+            if agree >= seq.num_prompt_tokens:
+                del seq.all_token_ids[agree:]
+                del seq.output_token_ids[agree - seq.num_prompt_tokens :]
+                for token in tokens[agree:]:
+                    seq.append_token(token)
+                seq.num_computed_tokens = min(seq.num_computed_tokens, agree)
+                return seq
+        self.forget(req.request_id)
+        params = SamplingParams(temperature=0, max_tokens=self.max_model_len, ignore_eos=True,
+                                detokenize=False)  # fmt: skip
+        seq = Request(f"draft-{next(self._ids)}", list(tokens), params)
+        self.draft.add_request(seq)
+        self.sequences[req.request_id] = seq
+        return seq
 
     def _judge(self, state: SpecState, accepted: int) -> None:
         """Below the floor: no proposals for a pause, doubling up to MAX_PAUSE steps while
@@ -222,18 +257,30 @@ class DraftModelProposer(Proposer):
             state.next_pause = min(2 * state.next_pause, MAX_PAUSE)
 
     def propose_all(self, running: list[Request]) -> None:
-        asked = []
+        for gone in self.sequences.keys() - {req.request_id for req in running}:
+            self.forget(gone)  # preempted (a finished one is forgotten by the engine)
+        asked = []  # (request, its sequence, the request's length, drafts wanted)
         for req in running:
             req.spec.drafts = []
             limit = self.limit(req)
             if limit >= 1:
-                params = SamplingParams(temperature=0, max_tokens=limit, ignore_eos=True,
-                                        detokenize=False)  # fmt: skip
-                drafting = Request(f"draft-{next(self._ids)}", list(req.all_token_ids), params)
-                self.draft.add_request(drafting)
-                asked.append((req, drafting))
-        while self.draft.has_unfinished_requests():
+                asked.append((req, self._sequence(req), req.num_tokens, limit))
+        # A step a token, each sequence held once it has its drafts and one token more:
+        # computing the last draft now makes the next proposal's first step a decode
+        # whatever verification keeps (with all drafts accepted it would be a two-token
+        # chunk, piece by piece on CPU).
+        while True:
+            for _, seq, n, k in asked:
+                seq.held = seq.is_finished or seq.num_tokens > n + k
+            if all(seq.held for _, seq, _, _ in asked):
+                break
             self.draft.step()
-        for req, drafting in asked:
-            req.spec.drafts = _allowed(req, list(drafting.output_token_ids))
-            self.draft.release(drafting.request_id)
+        for req, seq, n, k in asked:
+            req.spec.drafts = _allowed(req, seq.all_token_ids[n : n + k])
+
+
+def _shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
