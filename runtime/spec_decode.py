@@ -9,8 +9,9 @@ compiled graphs and CPU or CUDA graphs, its KV cache), decodes each proposing re
 next tokens greedily in a sequence of its own that lives as long as the request: between
 proposals it is held (its KV kept, not scheduled); the next proposal rewinds it to the
 tokens it shares with the request (the accepted drafts) and appends the request's newer
-ones, so a proposal computes the tokens verification emitted and k - 1 decode steps, as
-vLLM's draft model keeps its KV (`DraftModelProposer`).
+ones, then decodes k + 1 tokens (the last draft is computed too, so that the next proposal
+starts with a decode step whatever verification kept), as vLLM's draft model keeps its KV
+(`DraftModelProposer`).
 
 Verifying: a decoding request with proposals d1..dk is scheduled as a query of 1 + k
 tokens (its last token, then d1..dk) at the next positions: a chunk of an ordinary step,
