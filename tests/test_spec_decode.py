@@ -567,3 +567,18 @@ def test_a_draft_models_sequence_lives_as_long_as_its_request(draft_engines):
     assert "gone" in proposer.sequences
     engine.abort_request("gone")
     assert proposer.sequences == {} and blocks.num_free_blocks == blocks.num_blocks
+
+
+@pytest.mark.slow
+def test_a_draft_model_up_to_the_models_length(engines, draft_engines):
+    """Requests that reach max_model_len while drafting (a draft sequence runs a token past
+    its drafts): the plain engine's tokens and finish reasons, no draft block held."""
+    _, plain, _ = engines
+    prompts = [list(range(3, 93)), list(range(5, 98 - 5))]  # 90 and 88 of 96 tokens
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [(t, r) for t, r, _ in completions(plain, prompts, params)]
+    assert {r for _, r in want} == {"length"}
+    for llm in draft_engines:
+        assert [(t, r) for t, r, _ in completions(llm, prompts, params)] == want
+        drafts = llm.llm_engine.proposer.draft.scheduler.block_manager
+        assert drafts.num_free_blocks == drafts.num_blocks
