@@ -199,6 +199,12 @@ def test_bytes_read_per_token_counts_a_quantized_heads_blocks(tmp_path, tiny_lla
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert common.bytes_read_per_token(llm, None) == common.weight_bytes(llm)
     assert common.bytes_read_per_token(llm, {"temperature": 1.0}) == common.weight_bytes(llm)
+    # The untied embedding: one row a step, not the table.
+    model = llm.llm_engine.model
+    table = list(model.model.embed_tokens.parameters())
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in table)
+    assert common.weight_bytes(llm) == everything - nbytes + nbytes // table[0].shape[0]
 
 
 def test_ab_quant_kernels_smoke(tiny_gguf, tokenizer_dir, capsys):
