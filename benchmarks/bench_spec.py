@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft", default=None, help="a draft model's path (GGUF or folder)")
     ap.add_argument("--draft-only", action="store_true", help="no n-gram configurations")
     ap.add_argument("--no-llama-cpp", action="store_true", help="no llama-lookup rows")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="the engines' max_model_len (a 1.7B-class model's 8192 default does "
+                    "not fit the default KV budget)")  # fmt: skip
     ap.add_argument("--floor", type=float, default=None,
                     help="min_tokens_per_verification (default: the engine's)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.draft:
             configs[f"draft k={k}"] = {"model": args.draft, "num_speculative_tokens": k}
     # No prefix cache: every round computes its whole prompt, as the first did.
-    llms = {name: LLM(args.model, speculative_config=spec, enable_prefix_caching=False)
+    llms = {name: LLM(args.model, speculative_config=spec, enable_prefix_caching=False,
+                      max_model_len=args.max_model_len)
             for name, spec in configs.items()}  # fmt: skip
     for llm in llms.values():
         llm.step_ms = {False: [], True: []}  # decode-only steps' times, by drafts in them
