@@ -262,6 +262,7 @@ class ModelRunner:
         # flag holds 1 (a step whose rows all take the argmax); `graph_tokens` holds them
         # after such a step, None after any other.
         self.greedy_flag = torch.zeros(1, dtype=torch.int32, device=dev) if full else None
+        self._greedy_flag_value = False  # what the device flag holds (set only on a change)
         self.graph_tokens: torch.Tensor | None = None
         # CPU graphs: decode-only steps at a size with static code, one process, compiled.
         cpu_graphs = (
@@ -416,7 +417,9 @@ class ModelRunner:
         try:
             if isinstance(graph, FullCudaGraph):
                 self._write_inputs(pad_decode_plan(plan, size), logits_rows=False)
-                self.greedy_flag.fill_(int(plan.argmax_only))
+                if plan.argmax_only != self._greedy_flag_value:  # no fill kernel a step
+                    self.greedy_flag.fill_(int(plan.argmax_only))
+                    self._greedy_flag_value = plan.argmax_only
                 logits, tokens = graph.replay()
                 if plan.argmax_only:
                     self.graph_tokens = tokens[: plan.num_tokens]
