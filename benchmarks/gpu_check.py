@@ -309,6 +309,7 @@ def step_times(llm, prompt: list[int], steps: int) -> dict:
         def __init__(self, sampler):
             self.draw = timed("sampler", sampler)
             self.device_tokens = timed("sampler", sampler.device_tokens)
+            self.seed_request = sampler.seed_request  # when a request arrives: not a step's
 
         def __call__(self, *args):
             return self.draw(*args)
@@ -395,6 +396,11 @@ def replay_us(llm, rounds: int = 50) -> float | None:
     return round(1e6 * (time.perf_counter() - start) / rounds, 1)
 
 
+# A common chat setting (Llama 3's generation config, with a top-k): batch-1 decode with it
+# beside greedy shows what drawing the tokens costs.
+SAMPLED = {"temperature": 0.6, "top_p": 0.9, "top_k": 50}
+
+
 def step_decode_bandwidth(check: Check) -> dict:
     check.drop()  # the 1B model wants the memory
     cuda = check.device == "cuda"
@@ -422,6 +428,9 @@ def step_decode_bandwidth(check: Check) -> dict:
         if cuda:
             row["replay_us"] = replay_us(llm)
             row["kernels"] = kernel_times(llm, PROMPTS[1], 32)
+        if mode != "PIECEWISE":  # drawn in the full graph (runtime/sample_kernel.py)
+            row["sampled_tok_s"] = decode_speed(llm, PROMPTS[2], 128 if not check.dry_run
+                                                else 32, 3, sampling=SAMPLED)  # fmt: skip
         result[mode] = row
         check.drop()
     share = result["default"]["of_peak"]

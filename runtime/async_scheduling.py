@@ -2,9 +2,8 @@
 tokens reach the host.
 
 A step whose requests are all plain (no logprobs, no logits processing, no grammar) draws
-its tokens on the device (`Sampler.device_tokens`: greedy rows' argmax, the others'
-temperature, min-p, top-k and top-p and the exponential race, each seeded request from its
-own generator) and starts copying the ids to the host; it is an `InflightStep` until the
+its tokens on the device (inside its full CUDA graph, else `Sampler.device_tokens`: one
+Triton pass a row, runtime/sample_kernel.py) and starts copying the ids to the host; it is an `InflightStep` until the
 engine reads them. Meanwhile the scheduler plans the next step with each of those requests
 one token longer (`Request.num_pending`): the token whose id is still on the device. The
 runner writes that step's inputs as usual and then gathers the pending ids straight from
@@ -35,7 +34,7 @@ class Feed:
 
 
 class InflightStep:
-    """A launched step's greedy tokens, on their way to the host (a pinned buffer and an
+    """A launched step's tokens, on their way to the host (a pinned buffer and an
     event on a GPU; already there on CPU)."""
 
     def __init__(self, requests: list[Request], tokens: torch.Tensor):

@@ -122,6 +122,7 @@ class LLMEngine:
             )
         if params.structured_outputs is not None:
             request.grammar = self.grammars().matcher(params.structured_outputs)
+        self.sampler.seed_request(request)
         self.detokenizers[request.request_id] = detokenizer
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
@@ -183,7 +184,7 @@ class LLMEngine:
         launched = None
         if sampling:
             requests = [s.request for s in sampling]
-            tokens = self.executor.graph_tokens()  # an all-greedy step's, from its graph
+            tokens = self.executor.graph_tokens()  # drawn in its full CUDA graph
             if tokens is None:
                 tokens = self.sampler.device_tokens(logits[: len(requests)], requests)
             launched = InflightStep(requests, tokens)
@@ -226,10 +227,10 @@ class LLMEngine:
             finished += self._append_sampled(requests, logits, self.executor.graph_tokens())
         return finished
 
-    def _append_sampled(self, requests: list[Request], logits, greedy=None) -> list[Request]:
-        """Each request's token drawn from its row (`greedy`: an all-greedy step's tokens,
-        computed in its graph), appended and checked for stops."""
-        sampled = self.sampler(logits, requests, self.eos_token_ids, greedy)
+    def _append_sampled(self, requests: list[Request], logits, graph_tokens=None) -> list[Request]:
+        """Each request's token drawn from its row (`graph_tokens`: a step's tokens drawn in
+        its full CUDA graph), appended and checked for stops."""
+        sampled = self.sampler(logits, requests, self.eos_token_ids, graph_tokens)
         finished = []
         for req, token, logprobs in zip(requests, sampled.token_ids, sampled.logprobs):
             if token == NO_TOKEN:  # nothing could be drawn: the request ends here

@@ -33,6 +33,7 @@ from runtime.async_scheduling import Feed
 from runtime.attention import AttentionMetadata
 from runtime.block_manager import BlockManager
 from runtime.lm_head import choose_lm_head_kernels
+from runtime.sampler import SAMPLE_GREEDY, SAMPLE_OFF, SAMPLE_PARAMS
 from runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("compilecore")
@@ -65,6 +66,11 @@ class StepPlan:
     # The logits only feed an argmax (every row greedy without logprobs or processing):
     # the batch-1 LM head may compute only the rows that can win (passes/ops/gemv.py).
     argmax_only: bool = False
+    # Each sampling row's `Request.sample_row` where every request samples plainly (no
+    # logprobs, no logits processing) and some not greedily: a full CUDA graph draws them.
+    sample_rows: list[tuple[tuple[float, float, float], tuple[int, int, int]]] = field(
+        default_factory=list
+    )
     # Token indices whose ids are still on the device (async scheduling), each with its
     # request id: the runner gathers them from the previous step's tokens (`Feed`).
     fed: list[tuple[int, str]] = field(default_factory=list)
@@ -136,6 +142,9 @@ def plan_step(
         and not prompt_rows
         and all(r.plain_greedy for r in [*(s.request for s in sampling), *verifying])
     )
+    direct = sampling and not (plan.argmax_only or prompt_rows or draft_rows)
+    if direct and all(s.request.plain for s in sampling):
+        plan.sample_rows = [s.request.sample_row() for s in sampling]
     start = len(plan.logits_rows)
     for rows in prompt_rows:
         first_row = plan.query_starts[order.index(_scheduled_of(order, rows.request))]
@@ -150,6 +159,10 @@ def plan_step(
 
 def _scheduled_of(order: list[ScheduledRequest], request: Any) -> ScheduledRequest:
     return next(s for s in order if s.request is request)
+
+
+# A padding row's sampling: the argmax, the kernel's cheapest (its token is dropped).
+_GREEDY_ROW = ((0.0, 1.0, 0.0), (0, 0, 0))
 
 
 def pad_decode_plan(plan: StepPlan, size: int) -> StepPlan:
@@ -170,6 +183,7 @@ def pad_decode_plan(plan: StepPlan, size: int) -> StepPlan:
         num_decodes=size,
         logits_rows=list(range(size)),
         argmax_only=plan.argmax_only,
+        sample_rows=plan.sample_rows and plan.sample_rows + [_GREEDY_ROW] * extra,
     )
 
 
@@ -194,6 +208,7 @@ def rows_as_decodes(plan: StepPlan) -> StepPlan | None:
         num_decodes=n,
         logits_rows=plan.logits_rows,
         argmax_only=plan.argmax_only,
+        sample_rows=plan.sample_rows,
         fed=plan.fed,
     )
 
@@ -226,6 +241,9 @@ class ModelRunner:
         # source rows of the previous step's tokens.
         self.feed_dst = torch.zeros(max_seqs, dtype=torch.long, device=dev)
         self.feed_src = torch.zeros(max_seqs, dtype=torch.long, device=dev)
+        # The sampling rows' parameters a full CUDA graph's draw reads (`StepPlan.sample_rows`).
+        self.sample_floats = torch.zeros(max_seqs, 3, dtype=torch.float32, device=dev)
+        self.sample_ints = torch.zeros(max_seqs, 3, dtype=torch.long, device=dev)
         self._feed: Feed | None = None  # this step's, set by `execute`
         self.kv_caches: list[torch.Tensor] = []
         self._warmed_attention: set[tuple[int, ...]] = set()  # layer shapes (warm_up)
@@ -234,7 +252,8 @@ class ModelRunner:
         # On a GPU the same views are of pinned host buffers, copied with non_blocking=True:
         # the host does not wait for the copies (pageable memory would make it).
         names = ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping",
-                 "block_table", "logits_indices", "feed_dst", "feed_src")  # fmt: skip
+                 "block_table", "logits_indices", "feed_dst", "feed_src", "sample_floats",
+                 "sample_ints")  # fmt: skip
         if self.device.type == "cpu":
             self.staging = None
             self.host_views = {name: getattr(self, name).numpy() for name in names}
@@ -258,11 +277,11 @@ class ModelRunner:
         full = self._full_graphs_possible(attn_backend)
         self.full_graph_sizes = [s for s in sizes if s <= max_seqs] if full else []
         self.full_graphs: dict[int, FullCudaGraph] = {}
-        # The full graphs compute greedy tokens too (runtime/greedy_kernel.py) where this
-        # flag holds 1 (a step whose rows all take the argmax); `graph_tokens` holds them
-        # after such a step, None after any other.
-        self.greedy_flag = torch.zeros(1, dtype=torch.int32, device=dev) if full else None
-        self._greedy_flag_value = False  # what the device flag holds (set only on a change)
+        # The full graphs draw the step's tokens too (runtime/sample_kernel.py) as this flag
+        # says (`SAMPLE_*`: greedy, or by each row's parameters, where every request samples
+        # plainly); `graph_tokens` holds them after such a step, None after any other.
+        self.sample_flag = torch.zeros(1, dtype=torch.int32, device=dev) if full else None
+        self._sample_mode = SAMPLE_OFF  # what the device flag holds (set only on a change)
         self.graph_tokens: torch.Tensor | None = None
         # CPU graphs: decode-only steps at a size with static code, one process, compiled.
         cpu_graphs = (
@@ -386,10 +405,15 @@ class ModelRunner:
         f = len(self._feed.dst) if self._feed is not None else 0
         if f:
             views["feed_dst"][:f], views["feed_src"][:f] = self._feed.dst, self._feed.src
+        s = len(plan.sample_rows) if self.sample_flag is not None else 0
+        if s:
+            floats, ints = zip(*plan.sample_rows)
+            views["sample_floats"][:s], views["sample_ints"][:s] = floats, ints
         if self.staging is not None:
             rows = {"input_ids": padded, "positions": padded, "query_start_loc": b + 1,
                     "seq_lens": b, "slot_mapping": n, "block_table": b,
-                    "logits_indices": r, "feed_dst": f, "feed_src": f}  # fmt: skip
+                    "logits_indices": r, "feed_dst": f, "feed_src": f,
+                    "sample_floats": s, "sample_ints": s}  # fmt: skip
             for name, k in rows.items():
                 getattr(self, name)[:k].copy_(self.staging[name][:k], non_blocking=True)
             self._staged.record()
@@ -417,11 +441,14 @@ class ModelRunner:
         try:
             if isinstance(graph, FullCudaGraph):
                 self._write_inputs(pad_decode_plan(plan, size), logits_rows=False)
-                if plan.argmax_only != self._greedy_flag_value:  # no fill kernel a step
-                    self.greedy_flag.fill_(int(plan.argmax_only))
-                    self._greedy_flag_value = plan.argmax_only
+                mode = SAMPLE_GREEDY if plan.argmax_only else SAMPLE_OFF
+                if plan.sample_rows:
+                    mode = SAMPLE_PARAMS
+                if mode != self._sample_mode:  # no fill kernel a step
+                    self.sample_flag.fill_(mode)
+                    self._sample_mode = mode
                 logits, tokens = graph.replay()
-                if plan.argmax_only:
+                if mode != SAMPLE_OFF:
                     self.graph_tokens = tokens[: plan.num_tokens]
                 return logits if size == plan.num_tokens else logits[: plan.num_tokens]
             if graph is not None:
@@ -651,7 +678,7 @@ class ModelRunner:
         captures, which reuse its memory in the shared pool, are done."""
         if not self.full_graph_sizes:
             return
-        from runtime.greedy_kernel import greedy_tokens  # imports Triton
+        from runtime.sample_kernel import sample_tokens  # imports Triton
 
         start = time.perf_counter()
         stand_in = list(self.full_graphs.values())  # alive until the captures below end
@@ -665,7 +692,8 @@ class ModelRunner:
                 with set_forward_context(meta, self.config, full_graph=True):
                     out = self.model(self.input_ids[:size], self.positions[:size], None)
                     logits = self.model.compute_logits(out[:size])
-                    return logits, greedy_tokens(logits, self.greedy_flag)
+                    flag, floats, ints = self.sample_flag, self.sample_floats, self.sample_ints
+                    return logits, sample_tokens(logits, flag, floats[:size], ints[:size])
 
             self.full_graphs[size] = FullCudaGraph(step, self.config)
         torch.cuda.synchronize(self.device)

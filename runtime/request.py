@@ -54,6 +54,9 @@ class Request:
     finished_time: float | None = None
     # Made by the sampler on the logits' device for a request with a seed.
     generator: torch.Generator | None = None
+    # The key of its draws on a GPU (runtime/sample_kernel.py): its seed as an int64, or,
+    # without one, drawn by the engine's sampler when the request arrives.
+    draw_seed: int | None = None
     # Each bad word as token ids (with and without a leading space), set by the LLM.
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Any] | None] = field(default_factory=list)
@@ -85,6 +88,18 @@ class Request:
         # Uniform draws from this request's generator, made in batches by the sampler and
         # taken from the end, one a sampled token.
         self.uniforms: list[float] = []
+        if p.seed is not None:
+            self.draw_seed = (p.seed + 2**63) % 2**64 - 2**63
+
+    def sample_row(self) -> tuple[tuple[float, float, float], tuple[int, int, int]]:
+        """Its next token's parameters for runtime/sample_kernel.py: (temperature, 0 for
+        greedy; top_p; min_p) and (top_k, 0 for none; seed; the index of the token among
+        its outputs, counting those still on the device)."""
+        p = self.sampling_params
+        temperature = 0.0 if p.greedy else p.temperature
+        top_k = p.top_k if p.uses_top_k else 0
+        position = len(self.output_token_ids) + self.num_pending
+        return (temperature, p.top_p, p.min_p), (top_k, self.draw_seed or 0, position)
 
     @property
     def num_tokens(self) -> int:

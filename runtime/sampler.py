@@ -19,8 +19,11 @@ filtered and drawn in C (runtime/cpu_sampling.py: the same kept set found withou
 the vocabulary, then one uniform through the inverse CDF; numpy where the kernel cannot be
 built); elsewhere the token is drawn by the exponential race (argmax of p / q, q ~ Exp(1)).
 Both equal sampling from p.
-A request with a seed draws its randomness from its own generator, on the logits' device,
-so its tokens do not depend on the rest of the batch.
+On CPU a request with a seed draws its randomness from its own generator, so its tokens do
+not depend on the rest of the batch. On a GPU every row is drawn by one Triton kernel
+(runtime/sample_kernel.py: the same filters without a sort, counter-based randomness keyed
+by the request's `draw_seed` and the token's index), captured in the full CUDA graphs and
+launched after any other step, so a token does not depend on which path drew it.
 
 A row with no distribution to draw from gives the same token on every path
 (`cpu_sampling.degenerate_row_token`): the first +inf logit where there is one, else, for a
@@ -45,6 +48,9 @@ from runtime.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 _CPU = torch.device("cpu")
+# What runtime/sample_kernel.py's launch does (its flag on the device): nothing, every row's
+# argmax, or each row by its `Request.sample_row` parameters.
+SAMPLE_OFF, SAMPLE_GREEDY, SAMPLE_PARAMS = 0, 1, 2
 
 
 @dataclass
@@ -151,6 +157,14 @@ class Sampler:
         self.generators: dict[torch.device, torch.Generator] = {}
         self._numpy_view: tuple[torch.Tensor, Any] | None = None
         self._scratch: np.ndarray | None = None
+        self._params_flag: dict[torch.device, torch.Tensor] = {}
+
+    def seed_request(self, req: Request) -> None:
+        """Give a request without a seed the key of its GPU draws, from this sampler's
+        seed: runs with the same `LLM(seed=...)` draw the same tokens."""
+        if req.draw_seed is None:
+            generator = self._default_generator(_CPU)
+            req.draw_seed = int(torch.randint(-(2**63), 2**63 - 1, (), generator=generator))
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self.generators:
@@ -162,12 +176,12 @@ class Sampler:
         logits: torch.Tensor,
         requests: list[Request],
         eos_ids: frozenset[int] = frozenset(),
-        greedy: torch.Tensor | None = None,
+        graph_tokens: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """`greedy`: the rows' greedy tokens where a full CUDA graph computed them (every
-        request plain greedy: runtime/greedy_kernel.py), read instead of the logits."""
-        if greedy is not None:
-            return SamplerOutput(greedy[: len(requests)].tolist(), [None] * len(requests))
+        """`graph_tokens`: the rows' tokens where a full CUDA graph drew them (every request
+        plain: runtime/sample_kernel.py), read instead of the logits."""
+        if graph_tokens is not None:
+            return SamplerOutput(graph_tokens[: len(requests)].tolist(), [None] * len(requests))
         if (view := self._cpu_view(logits)) is not None:
             # The common decode step in as few calls as possible: each one is cold after the
             # weights have streamed through the caches, and a cached view needs no torch call
@@ -208,7 +222,10 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row's token, int64 on the logits' device, with no value read back to the
         host: greedy rows' argmax, the others' exponential race, and the degenerate rows'
-        token where a row has no distribution."""
+        token where a row has no distribution. On CUDA, runtime/sample_kernel.py's (the
+        full graphs' own); elsewhere in torch (the tests' oracle)."""
+        if logits.device.type == "cuda":
+            return self._draw_kernel(logits, requests)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if len(random_rows) == len(requests):
             tokens = self._sample(logits, requests)
@@ -218,6 +235,21 @@ class Sampler:
                 rows = _on_device(random_rows, logits.device)
                 tokens[rows] = self._sample(logits[rows], [requests[i] for i in random_rows])
         return _degenerate_rows(logits, tokens)
+
+    def _draw_kernel(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        from runtime.sample_kernel import sample_tokens  # imports Triton
+
+        for req in requests:
+            self.seed_request(req)
+        floats, ints = zip(*(req.sample_row() for req in requests))
+        device = logits.device
+        if device not in self._params_flag:
+            self._params_flag[device] = torch.full((1,), SAMPLE_PARAMS, dtype=torch.int32,
+                                                   device=device)  # fmt: skip
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        return sample_tokens(logits, self._params_flag[device], _on_device(floats, device),
+                             _on_device(ints, device))  # fmt: skip
 
     def _sample_cpu(
         self, raw: np.ndarray, requests: list[Request], eos_ids: frozenset[int]

@@ -269,5 +269,5 @@ class Worker:
         return self.runner.execute(plan, feed)
 
     def graph_tokens(self) -> torch.Tensor | None:
-        """The last step's greedy tokens where its full CUDA graph computed them."""
+        """The last step's tokens where its full CUDA graph drew them."""
         return self.runner.graph_tokens

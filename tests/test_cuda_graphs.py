@@ -85,10 +85,12 @@ def test_each_cudagraph_mode_equals_eager(tiny_llama, mode):
 
 
 @gpu
-def test_greedy_steps_take_their_tokens_from_the_graph(graphed, tiny_llama):
-    """An all-greedy decode step's tokens come from its full graph (runtime/greedy_kernel.py),
-    in sync and async engines, and equal eager decoding's; a step with a sampled row reads
-    none from the graph."""
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_decode_steps_take_their_tokens_from_the_graph(graphed, tiny_llama, kind):
+    """A decode step whose requests all sample plainly draws its tokens in its full graph
+    (runtime/sample_kernel.py), greedy or by temperature / top-k / top-p / min-p with a
+    seed, in sync and async engines: the same tokens as an eager engine, whose sampler
+    launches the same kernel after the step. A step with logprobs reads none from it."""
     llm, _ = graphed
     eager = LLM(str(tiny_llama[0]), device="cuda", dtype="float32", enforce_eager=True,
                 kv_cache_memory=256 * 2**20)  # fmt: skip
@@ -96,15 +98,23 @@ def test_greedy_steps_take_their_tokens_from_the_graph(graphed, tiny_llama):
                 compilation_config={"cudagraph_capture_sizes": SIZES},
                 kv_cache_memory=256 * 2**20)  # fmt: skip
     prompts = [[3 + i, 7, 11 + i] for i in range(5)]
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
+    if kind == "greedy":
+        params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 5
+    else:
+        params = [SamplingParams(temperature=0.9, top_k=[0, 20][i % 2], top_p=[1.0, 0.8][i % 2],
+                                 min_p=0.02 * (i % 3), seed=i, max_tokens=12, ignore_eos=True)
+                  for i in range(5)]  # fmt: skip
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     for engine in (llm, piped):
-        got = engine.generate(prompts, greedy, use_tqdm=False)
+        before = compilation_counter.num_full_cudagraph_replays
+        got = engine.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == want
+        assert compilation_counter.num_full_cudagraph_replays - before >= 11
         assert engine.llm_engine.runner.graph_tokens is not None  # the last step's
         short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
-        engine.generate(prompts[:2], [short, sampled], use_tqdm=False)  # sampled to the end
+        logprobs = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                                  logprobs=1)  # fmt: skip
+        engine.generate(prompts[:2], [short, logprobs], use_tqdm=False)  # to the end
         assert engine.llm_engine.runner.graph_tokens is None
 
 

@@ -3,7 +3,6 @@ engine's seeded, stop-string, stop-token and logprob behaviour."""
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
@@ -530,53 +529,3 @@ def test_seeded_generator_follows_the_logits_device():
     assert first.generator is not None and first.generator.device == logits.device
     again = Request("b", [1], params)
     assert [Sampler()(logits, [again]).token_ids[0] for _ in range(3)] == tokens
-
-
-# -- greedy tokens inside a full CUDA graph (runtime/greedy_kernel.py) -------------------
-_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@st.composite
-def greedy_batches(draw):
-    """Rows of one vocabulary, each finite (small integers: ties), masked in part or
-    whole, or with a nan or a +inf; fp32 or bf16; a vocabulary across the kernel's trips."""
-    vocab = draw(st.integers(1, 40) | st.integers(2040, 4200))
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
-    rows = []
-    kinds = ["ties", "masked", "all -inf", "nan", "+inf", "+inf and nan"]
-    for kind in draw(st.lists(st.sampled_from(kinds), min_size=1, max_size=5)):
-        row = torch.randint(-3 if kind != "ties" else -1, 1, (vocab,), generator=gen).float()
-        if kind != "ties":
-            row[torch.rand(vocab, generator=gen) < 0.7] = -torch.inf
-        if kind == "all -inf":
-            row[:] = -torch.inf
-        for special in ("+inf", "nan"):
-            if special in kind:
-                row[torch.randint(vocab, (2,), generator=gen)] = float(special)
-        rows.append(row)
-    return torch.stack(rows).to(draw(st.sampled_from([torch.float32, torch.bfloat16])))
-
-
-@pytest.mark.skipif(not _TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
-@settings(max_examples=40, deadline=None)
-@given(logits=greedy_batches())
-def test_the_graphs_greedy_kernel_gives_the_samplers_tokens(logits):
-    """The kernel a full CUDA graph captures gives every row the sampler's greedy token
-    (`Sampler._draw` on a greedy batch: the first argmax, the first +inf, NO_TOKEN for a
-    nan or nothing above -inf), and writes nothing while its flag is 0."""
-    from runtime.greedy_kernel import greedy_tokens
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    logits = logits.to(device)
-    greedy = [Request(str(i), [1], SamplingParams(temperature=0)) for i in range(len(logits))]
-    want = Sampler()._draw(logits.float(), greedy)
-    on = torch.ones(1, dtype=torch.int32, device=device)
-    assert greedy_tokens(logits, on).tolist() == want.tolist()
-    wider = torch.full(
-        (len(logits), logits.shape[1] + 3), torch.inf, dtype=logits.dtype, device=device
-    )
-    wider[:, : logits.shape[1]] = logits  # rows apart by a stride past the vocabulary
-    assert greedy_tokens(wider[:, : logits.shape[1]], on).tolist() == want.tolist()
-    untouched = torch.full_like(want, 7)
-    greedy_tokens(logits, torch.zeros_like(on), out=untouched)
-    assert untouched.tolist() == [7] * len(want)
