@@ -3,16 +3,16 @@ tokens reach the host.
 
 A step whose requests are all plain (no logprobs, no logits processing, no grammar) draws
 its tokens on the device (inside its full CUDA graph, else `Sampler.device_tokens`: one
-Triton pass a row, runtime/sample_kernel.py) and starts copying the ids to the host; it is an `InflightStep` until the
-engine reads them. Meanwhile the scheduler plans the next step with each of those requests
-one token longer (`Request.num_pending`): the token whose id is still on the device. The
-runner writes that step's inputs as usual and then gathers the pending ids straight from
-the previous step's device tensor into `input_ids` (`Feed`), so no host round trip stands
-between two steps. After launching step N+1 the
-engine reads step N's ids (by then computed: the device has moved on to N+1), appends
-them and applies stop conditions: one step late, as vLLM does. A request that stopped at
-step N was also computed in step N+1; that token is discarded, and the KV it wrote lies
-in blocks freed with the request (the device writes them before any later step reads).
+Triton pass a row, runtime/sample_kernel.py) and starts copying the ids to the host; it is
+an `InflightStep` until the engine reads them. Meanwhile the scheduler plans the next step
+with each of those requests one token longer (`Request.num_pending`): the token whose id
+is still on the device. The runner writes that step's inputs as usual and then gathers the
+pending ids straight from the previous step's device tensor into `input_ids` (`Feed`), so
+no host round trip stands between two steps. After launching step N+1 the engine reads
+step N's ids (by then computed: the device has moved on to N+1), appends them and applies
+stop conditions: one step late, as vLLM does. A request that stopped at step N was also
+computed in step N+1; that token is discarded, and the KV it wrote lies in blocks freed
+with the request (the device writes them before any later step reads).
 """
 
 from __future__ import annotations

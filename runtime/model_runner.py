@@ -616,8 +616,21 @@ class ModelRunner:
         if get_pp_group().is_last_rank:
             # The one-row LM head is its own compiled function: compiled here with the
             # rest, so no step pays for it (a capture it fell into would be retried).
-            self.model.compute_logits(out[:1])
+            logits = self.model.compute_logits(out[:1])
+            if self.device.type == "cuda":
+                self._warm_sampler(logits)
         return time.perf_counter() - start
+
+    def _warm_sampler(self, logits: torch.Tensor) -> None:
+        """Compile the sampling kernel for the host sampler's fp32 logits (`Sampler._draw`
+        after a step with no full graph), not at the first such step; the full graphs
+        compile theirs when captured."""
+        from runtime.sample_kernel import sample_tokens  # imports Triton
+
+        flag = torch.full((1,), SAMPLE_PARAMS, dtype=torch.int32, device=self.device)
+        floats = torch.zeros(1, 3, dtype=torch.float32, device=self.device)
+        ints = torch.zeros(1, 3, dtype=torch.long, device=self.device)
+        sample_tokens(logits.float(), flag, floats, ints)
 
     @torch.inference_mode()
     def profile_run(self) -> int:

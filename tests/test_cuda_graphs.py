@@ -119,6 +119,21 @@ def test_decode_steps_take_their_tokens_from_the_graph(graphed, tiny_llama, kind
 
 
 @gpu
+def test_no_sampled_step_compiles_the_sampling_kernel(graphed, tiny_llama):
+    """The sampling kernel is compiled before serving for the graphs' logits and the host
+    sampler's fp32 copies: steps with logprobs, a prefill and sampled decodes add none."""
+    from runtime.sample_kernel import _sample_kernel
+
+    llm, _ = graphed
+    device = torch.cuda.current_device()
+    before = len(_sample_kernel.device_caches[device][0])
+    params = [SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=6, logprobs=1),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=2, max_tokens=6)]  # fmt: skip
+    llm.generate([[3, 7, 11], [5, 9]], params, use_tqdm=False)
+    assert len(_sample_kernel.device_caches[device][0]) == before
+
+
+@gpu
 def test_full_graphs_stop_at_max_num_seqs(tiny_llama, tmp_path):
     """A decode-only step has a token a sequence: capture sizes beyond max_num_seqs get
     no full graph (their metadata would not fit) and those steps stay piecewise."""
