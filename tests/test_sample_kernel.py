@@ -275,3 +275,19 @@ def test_a_step_draws_in_its_graph_where_every_request_samples_plainly():
     req = _request(hot, position=2)
     req.num_pending = 1
     assert req.sample_row()[1][2] == 3
+
+
+@pytest.mark.gpu
+def test_the_kernel_checks_above_hold_compiled_on_cuda():
+    """Here the checks above run in the interpreter; on a device (benchmarks/gpu_check.py
+    runs the GPU-marked tests) they run again on the kernel as Triton compiles it."""
+    assert DEVICE == "cuda"
+    for probs, params in [(PEAKED, SamplingParams(temperature=0.7, top_p=0.8)),
+                          (TAILED, SamplingParams(temperature=1.0, top_p=0.3))]:  # fmt: skip
+        test_draws_follow_filter_logits(probs, params)
+    for signed_zeros in (False, True):
+        test_top_k_keeps_every_token_tied_with_the_kth(signed_zeros)
+    test_top_k_draws_the_k_largest_and_no_other(1500, 8)
+    test_a_seeded_token_depends_on_its_seed_and_index_only()
+    test_draws_keep_to_what_filter_logits_keeps()
+    test_greedy_rows_and_rows_without_a_distribution_get_the_samplers_tokens()
