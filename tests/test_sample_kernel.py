@@ -210,6 +210,23 @@ def test_the_engine_keys_unseeded_requests_by_its_own_seed():
     assert named.draw_seed == -1
 
 
+def test_the_samplers_cuda_path_draws_each_requests_next_token():
+    """`Sampler._draw`'s CUDA path, on CPU tensors here: a request without a seed gets
+    its key from the sampler's seed, each row is drawn by its request's parameters and
+    token index (the kernel's tokens for the same rows), a row view with a stride is
+    read as it is."""
+    params = [SamplingParams(temperature=0.9, top_k=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.2, top_p=0.7, seed=5)]  # fmt: skip
+    requests = [Request(str(i), [1], p) for i, p in enumerate(params)]
+    requests[2].output_token_ids = [4, 4]
+    wide = torch.randn(3, 70, generator=torch.Generator().manual_seed(1))
+    sampler = Sampler(3)
+    got = sampler._draw_kernel(wide[:, :64], requests)
+    assert requests[0].draw_seed is not None and requests[2].draw_seed == 5
+    assert got.tolist() == _draw(wide[:, :64].contiguous(), requests).tolist()
+    assert got[1] == wide[1, :64].argmax()
+
+
 def test_the_kernel_compiles_for_hopper():
     """Triton's compiler (not the interpreter the other tests run) takes the kernel to a
     cubin for sm_90 with fp32 and bf16 logits: what a GPU machine does at its first
