@@ -440,6 +440,58 @@ def step_decode_bandwidth(check: Check) -> dict:
     return result
 
 
+# Decode batches for the throughput curve (each captured whole), and the tokens a request
+# decodes in a measured round.
+BATCHES = (1, 4, 16, 64)
+_fresh = iter(range(10**9))  # each round's prompts new: no prefix-cache hit
+
+
+def _batch_round(llm, batch: int, tokens: int, sampling: dict | None) -> tuple[float, int]:
+    """One round of `batch` requests, each a 32-token prompt of its own: tokens a second
+    over the decode phase (first token of any to the last one's end), and their count."""
+    from runtime import SamplingParams
+
+    params = SamplingParams(**(sampling or {"temperature": 0}), max_tokens=tokens,
+                            ignore_eos=True)  # fmt: skip
+    n = next(_fresh)  # the round and the request open each prompt: no two are the same
+    prompts = [[3 + n % 491, 3 + r] + [3 + (n + 7 * r + 13 * i) % 499 for i in range(30)]
+               for r in range(batch)]  # fmt: skip
+    metrics = [o.metrics for o in llm.generate(prompts, params, use_tqdm=False)]
+    elapsed = max(m.finished_time for m in metrics) - min(m.first_token_time for m in metrics)
+    decoded = sum(m.num_generated_tokens - 1 for m in metrics)
+    return decoded / elapsed, decoded
+
+
+def step_batch_curve(check: Check) -> dict:
+    """Decode throughput by batch on the 1B-class model with full decode graphs, greedy
+    and sampled (`SAMPLED`): tokens a second, and the bytes a step reads (every weight
+    once, each sequence's KV so far) a second as a fraction of the part's nominal peak."""
+    check.drop()
+    cuda = check.device == "cuda"
+    part = nominal_bandwidth(torch.cuda.get_device_name()) if cuda else None
+    batches = BATCHES if not check.dry_run else BATCHES[:2]
+    tokens = 128 if not check.dry_run else 16
+    dtype = {} if check.dry_run else {"dtype": "bfloat16"}
+    llm = check.llm("big batches", model="big", max_num_seqs=max(batches), **dtype,
+                    compilation_config={"cudagraph_capture_sizes": list(batches)})  # fmt: skip
+    engine = llm.llm_engine
+    caches = engine.runner.kv_caches
+    slots = len(engine.scheduler.block_manager.blocks) * engine.scheduler.block_manager.block_size
+    kv_per_token = sum(c.numel() * c.element_size() for c in caches) / slots
+    weights = weight_bytes(llm)
+    rows: dict = {}
+    for batch in batches:
+        for name, sampling in (("greedy", None), ("sampled", SAMPLED)):
+            _batch_round(llm, batch, tokens, sampling)  # warm: the first round of a size
+            tok_s, decoded = _batch_round(llm, batch, tokens, sampling)
+            step_bytes = weights + batch * (32 + tokens / 2) * kv_per_token
+            gb_s = step_bytes * tok_s / batch / 1e9
+            rows[f"{name} x{batch}"] = {"tok_s": tok_s, "tokens": decoded, "GB_s": gb_s,
+                                        "of_peak": part and gb_s / 1e3 / part[1]}  # fmt: skip
+    check.drop()
+    return {"part": part and part[0], "nominal_TB_s": part and part[1], "batches": rows}
+
+
 # Launch tiles the quantized products' step times (block_m, block_n, block_k, num_warps):
 # the default first; small N tiles give a decode step more programs, long K steps more
 # bytes in flight per program.
@@ -746,6 +798,7 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("chunked_prefill", step_chunked_prefill),
     ("split_kv", step_split_kv),
     ("decode_bandwidth", step_decode_bandwidth),
+    ("batch_curve", step_batch_curve),
     ("attention_trips", step_attention_trips),
     ("splitk_gemv", step_splitk_gemv),
     ("quantized_products", step_quantized_products),

@@ -28,7 +28,7 @@ def test_dry_run_passes_every_step(tmp_path):
     steps = {r["step"]: r for r in report["steps"]}
     assert list(steps) == [
         "greedy_cpu_vs_device", "default_model_bf16", "temperature_sampling",
-        "graphs_vs_eager", "chunked_prefill", "split_kv", "decode_bandwidth",
+        "graphs_vs_eager", "chunked_prefill", "split_kv", "decode_bandwidth", "batch_curve",
         "attention_trips", "splitk_gemv", "quantized_products", "quantized_decode",
         "passes_on_off", "batch_invariant", "tensor_parallel",
         "gpu_tests",
@@ -48,6 +48,10 @@ def test_dry_run_passes_every_step(tmp_path):
     ms = steps["decode_bandwidth"]["detail"]["default"]["ms_per_step"]
     assert ms["step"] >= ms["model_call"] > 0 and ms["sampler"] > 0  # where a step's time goes
     assert abs(ms["step"] - ms["model_call"] - ms["sampler"] - ms["other"]) < 0.01
+    curve = steps["batch_curve"]["detail"]["batches"]
+    assert sorted(curve) == ["greedy x1", "greedy x4", "sampled x1", "sampled x4"]
+    assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in curve.values())
+    assert curve["greedy x4"]["tokens"] == 4 * 15  # 16 tokens each, the first not decoded
     assert "| passes_on_off | ok |" in (tmp_path / "gpu_check.md").read_text()
 
 
