@@ -87,7 +87,8 @@ class Check:
                     cc.setdefault("cudagraph_capture_sizes", CAPTURE_SIZES)
             if model in ("small", "big"):
                 model = self.model(model)
-            self.llms[key] = LLM(model, max_model_len=1024, **kwargs)
+            kwargs.setdefault("max_model_len", 1024)
+            self.llms[key] = LLM(model, **kwargs)
         return self.llms[key]
 
     def drop(self) -> None:
@@ -356,6 +357,13 @@ NOMINAL_TB_S = (
     ("A100-SXM4-80GB", "A100 SXM 80GB", 2.039), ("A100 80GB PCIe", "A100 PCIe 80GB", 1.935),
     ("A100", "A100 40GB", 1.555), ("L40S", "L40S", 0.864), ("L4", "L4", 0.3),
 )  # fmt: skip
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) of the parts above, from their data
+# sheets: the denominator of prefill's model FLOPs utilization.
+NOMINAL_BF16_TFLOPS = {
+    "GH200 (HBM3)": 989, "H200": 989, "H100 NVL": 835, "H100 PCIe": 756, "H100 SXM": 989,
+    "H800 SXM": 989, "A100 SXM 80GB": 312, "A100 PCIe 80GB": 312, "A100 40GB": 312,
+    "L40S": 362, "L4": 121,
+}  # fmt: skip
 # Batch-1 decode of the 1B-class bf16 model, as a fraction of the nominal peak (issue 57).
 DECODE_TARGET = 0.45
 
@@ -453,9 +461,7 @@ def _batch_round(llm, batch: int, tokens: int, sampling: dict | None) -> tuple[f
 
     params = SamplingParams(**(sampling or {"temperature": 0}), max_tokens=tokens,
                             ignore_eos=True)  # fmt: skip
-    n = next(_fresh)  # the round and the request open each prompt: no two are the same
-    prompts = [[3 + n % 491, 3 + r] + [3 + (n + 7 * r + 13 * i) % 499 for i in range(30)]
-               for r in range(batch)]  # fmt: skip
+    prompts = _fresh_prompts(batch, 32)
     metrics = [o.metrics for o in llm.generate(prompts, params, use_tqdm=False)]
     elapsed = max(m.finished_time for m in metrics) - min(m.first_token_time for m in metrics)
     decoded = sum(m.num_generated_tokens - 1 for m in metrics)
@@ -490,6 +496,58 @@ def step_batch_curve(check: Check) -> dict:
                                         "of_peak": part and gb_s / 1e3 / part[1]}  # fmt: skip
     check.drop()
     return {"part": part and part[0], "nominal_TB_s": part and part[1], "batches": rows}
+
+
+def _fresh_prompts(count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens no earlier round used (no prefix-cache hit)."""
+    n = next(_fresh)
+    return [[3 + n % 491, 3 + r] + [3 + (n + 7 * r + 13 * i) % 499 for i in range(length - 2)]
+            for r in range(count)]  # fmt: skip
+
+
+def step_prefill_and_long_context(check: Check) -> dict:
+    """Prefill of 2 x 2048 fresh tokens in one step on the 1B-class model: tokens a second
+    and the model FLOPs utilization (2 x the layers' weights a token, attention's 4 x
+    layers x hidden x position) over the part's dense bf16 peak; then batch-1 decode at a
+    ~3.5k-token context: tokens a second and a step's bytes (weights, that KV) a second
+    over the nominal HBM peak."""
+    from runtime import SamplingParams
+
+    check.drop()
+    cuda = check.device == "cuda"
+    part = nominal_bandwidth(torch.cuda.get_device_name()) if cuda else None
+    tflops = part and NOMINAL_BF16_TFLOPS.get(part[0])
+    prompt, context = (2048, 3500) if not check.dry_run else (128, 300)
+    dtype = {} if check.dry_run else {"dtype": "bfloat16"}
+    llm = check.llm("big long", model="big", max_model_len=4096,
+                    max_num_batched_tokens=2 * prompt, **dtype)  # fmt: skip
+    model = llm.llm_engine.model
+    config = model.config
+    layers = sum(p.numel() for p in model.model.layers.parameters())
+    attention = 4 * config.num_hidden_layers * config.hidden_size * prompt / 2
+    flops_per_token = 2 * layers + attention
+    first = SamplingParams(temperature=0, max_tokens=1)
+    for _ in range(2):  # the second round is measured
+        metrics = [o.metrics for o in llm.generate(_fresh_prompts(2, prompt), first,
+                                                   use_tqdm=False)]  # fmt: skip
+    elapsed = max(m.first_token_time for m in metrics) - min(m.arrival_time for m in metrics)
+    prefill = 2 * prompt / elapsed
+    mfu = tflops and prefill * flops_per_token / (tflops * 1e12)
+    engine = llm.llm_engine
+    blocks = engine.scheduler.block_manager
+    kv_per_token = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches) / (
+        len(blocks.blocks) * blocks.block_size
+    )
+    tokens = 128 if not check.dry_run else 16
+    decode = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for _ in range(2):
+        out = llm.generate(_fresh_prompts(1, context), decode, use_tqdm=False)[0]
+    tok_s = out.metrics.decode_tokens_per_s
+    gb_s = (weight_bytes(llm) + (context + tokens / 2) * kv_per_token) * tok_s / 1e9
+    check.drop()
+    return {"part": part and part[0], "prefill_tok_s": prefill, "prefill_mfu": mfu,
+            "bf16_TFLOPs": tflops, "long_context": context, "long_tok_s": tok_s,
+            "long_GB_s": gb_s, "long_of_peak": part and gb_s / 1e3 / part[1]}  # fmt: skip
 
 
 # Launch tiles the quantized products' step times (block_m, block_n, block_k, num_warps):
@@ -799,6 +857,7 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("split_kv", step_split_kv),
     ("decode_bandwidth", step_decode_bandwidth),
     ("batch_curve", step_batch_curve),
+    ("prefill_and_long_context", step_prefill_and_long_context),
     ("attention_trips", step_attention_trips),
     ("splitk_gemv", step_splitk_gemv),
     ("quantized_products", step_quantized_products),

@@ -29,6 +29,7 @@ def test_dry_run_passes_every_step(tmp_path):
     assert list(steps) == [
         "greedy_cpu_vs_device", "default_model_bf16", "temperature_sampling",
         "graphs_vs_eager", "chunked_prefill", "split_kv", "decode_bandwidth", "batch_curve",
+        "prefill_and_long_context",
         "attention_trips", "splitk_gemv", "quantized_products", "quantized_decode",
         "passes_on_off", "batch_invariant", "tensor_parallel",
         "gpu_tests",
@@ -52,6 +53,9 @@ def test_dry_run_passes_every_step(tmp_path):
     assert sorted(curve) == ["greedy x1", "greedy x4", "sampled x1", "sampled x4"]
     assert all(r["tok_s"] > 0 and r["GB_s"] > 0 for r in curve.values())
     assert curve["greedy x4"]["tokens"] == 4 * 15  # 16 tokens each, the first not decoded
+    long = steps["prefill_and_long_context"]["detail"]
+    assert long["prefill_tok_s"] > 0 and long["long_tok_s"] > 0 and long["long_GB_s"] > 0
+    assert long["prefill_mfu"] is None  # no nominal FLOPs for a CPU
     assert "| passes_on_off | ok |" in (tmp_path / "gpu_check.md").read_text()
 
 
