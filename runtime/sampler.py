@@ -36,6 +36,7 @@ Logprobs are those of the raw distribution, before any of the above (vLLM's defa
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,13 +159,15 @@ class Sampler:
         self._numpy_view: tuple[torch.Tensor, Any] | None = None
         self._scratch: np.ndarray | None = None
         self._params_flag: dict[torch.device, torch.Tensor] = {}
+        # The keys of unseeded requests' GPU draws: a stream of their own, so that keying
+        # a request leaves the CPU path's draws as they were.
+        self._keys = random.Random(seed)
 
     def seed_request(self, req: Request) -> None:
         """Give a request without a seed the key of its GPU draws, from this sampler's
         seed: runs with the same `LLM(seed=...)` draw the same tokens."""
         if req.draw_seed is None:
-            generator = self._default_generator(_CPU)
-            req.draw_seed = int(torch.randint(-(2**63), 2**63 - 1, (), generator=generator))
+            req.draw_seed = self._keys.getrandbits(64) - 2**63
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         if device not in self.generators:
