@@ -1,4 +1,4 @@
-"""A step's tokens on the device in one Triton pass per row: greedy rows' argmax, the
+"""A step's tokens on the device, one Triton program per row: greedy rows' argmax, the
 others drawn from temperature, min-p, top-k and top-p, with counter-based randomness.
 
 Captured with every full CUDA graph (issue 57: "temperature / top-k / top-p / min-p inside
@@ -42,7 +42,9 @@ import triton.language as tl
 
 from runtime.cpu_sampling import NO_TOKEN
 
-BLOCK = 1024  # logits a loop trip: 4 KB of fp32 per program in flight (less for a small vocab)
+# Logits a loop trip (less for a small vocabulary). With 8 warps ptxas gives the sm_90
+# build 80 registers and no spills (`ptxas -v`); 4 warps take 143, 16 spill.
+BLOCK = 1024
 
 
 @triton.jit
