@@ -437,8 +437,10 @@ def step_decode_bandwidth(check: Check) -> dict:
             row["replay_us"] = replay_us(llm)
             row["kernels"] = kernel_times(llm, PROMPTS[1], 32)
         if mode != "PIECEWISE":  # drawn in the full graph (runtime/sample_kernel.py)
-            row["sampled_tok_s"] = decode_speed(llm, PROMPTS[2], 128 if not check.dry_run
-                                                else 32, 3, sampling=SAMPLED)  # fmt: skip
+            sampled = decode_speed(llm, PROMPTS[2], 128 if not check.dry_run else 32, 3,
+                                   sampling=SAMPLED)  # fmt: skip
+            row["sampled_tok_s"] = sampled
+            row["sampled_of_peak"] = part and weight_bytes(llm) * sampled / 1e12 / part[1]
         result[mode] = row
         check.drop()
     share = result["default"]["of_peak"]
@@ -480,10 +482,7 @@ def step_batch_curve(check: Check) -> dict:
     dtype = {} if check.dry_run else {"dtype": "bfloat16"}
     llm = check.llm("big batches", model="big", max_num_seqs=max(batches), **dtype,
                     compilation_config={"cudagraph_capture_sizes": list(batches)})  # fmt: skip
-    engine = llm.llm_engine
-    caches = engine.runner.kv_caches
-    slots = len(engine.scheduler.block_manager.blocks) * engine.scheduler.block_manager.block_size
-    kv_per_token = sum(c.numel() * c.element_size() for c in caches) / slots
+    kv_per_token = _kv_bytes_per_token(llm)
     weights = weight_bytes(llm)
     rows: dict = {}
     for batch in batches:
@@ -496,6 +495,14 @@ def step_batch_curve(check: Check) -> dict:
                                         "of_peak": part and gb_s / 1e3 / part[1]}  # fmt: skip
     check.drop()
     return {"part": part and part[0], "nominal_TB_s": part and part[1], "batches": rows}
+
+
+def _kv_bytes_per_token(llm) -> float:
+    """The KV cache's bytes for one token of one sequence (every layer's K and V)."""
+    engine = llm.llm_engine
+    blocks = engine.scheduler.block_manager
+    cache = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches)
+    return cache / (len(blocks.blocks) * blocks.block_size)
 
 
 def _fresh_prompts(count: int, length: int) -> list[list[int]]:
@@ -533,11 +540,7 @@ def step_prefill_and_long_context(check: Check) -> dict:
     elapsed = max(m.first_token_time for m in metrics) - min(m.arrival_time for m in metrics)
     prefill = 2 * prompt / elapsed
     mfu = tflops and prefill * flops_per_token / (tflops * 1e12)
-    engine = llm.llm_engine
-    blocks = engine.scheduler.block_manager
-    kv_per_token = sum(c.numel() * c.element_size() for c in engine.runner.kv_caches) / (
-        len(blocks.blocks) * blocks.block_size
-    )
+    kv_per_token = _kv_bytes_per_token(llm)
     tokens = 128 if not check.dry_run else 16
     decode = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for _ in range(2):

@@ -68,6 +68,7 @@ class LLMEngine:
         # Since the start, over every request (vLLM's spec_decode counters).
         self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)
         self.sampler = Sampler(engine_config.model_config.seed)
+        self._device_draws = engine_config.device.type == "cuda"  # plan_step's sample_rows
         if engine_config.device.type == "cpu":
             cpu_sampling.build()  # now, not at the first sampled token (~1 s on first use)
         self.requests: dict[str, Request] = {}
@@ -175,7 +176,7 @@ class LLMEngine:
                    and r.sampling_params.prompt_logprobs is None for r in live)  # fmt: skip
 
     def _run_pipelined(self, out: SchedulerOutput) -> list[Request]:
-        plan, sampling, _, _ = plan_step(out, self.scheduler.block_manager)
+        plan, sampling, _, _ = plan_step(out, self.scheduler.block_manager, self._device_draws)
         last = self._inflight
         feed = last.feed(plan.fed) if last is not None else None
         self.num_fed_steps += feed is not None
@@ -211,7 +212,8 @@ class LLMEngine:
         return finished
 
     def _run(self, out: SchedulerOutput) -> list[Request]:
-        plan, sampling, prompt_rows, draft_rows = plan_step(out, self.scheduler.block_manager)
+        blocks = self.scheduler.block_manager
+        plan, sampling, prompt_rows, draft_rows = plan_step(out, blocks, self._device_draws)
         logits = self.executor.execute(plan)
         self.scheduler.advance(out)
         for rows in prompt_rows:

@@ -102,11 +102,12 @@ class DraftRows:
 
 
 def plan_step(
-    out: SchedulerOutput, block_manager: BlockManager
+    out: SchedulerOutput, block_manager: BlockManager, device_draws: bool = True
 ) -> tuple[StepPlan, list[ScheduledRequest], list[PromptLogprobRows], list[DraftRows]]:
     """The step's plan, the scheduled requests whose rows sample (the first logits rows,
     in order), the rows after them that prompt logprobs need, then the rows that verify
-    drafts."""
+    drafts. `device_draws`: a CUDA graph may draw the tokens (`StepPlan.sample_rows`);
+    False on CPU, where no step reads them."""
     order = [s for s in out.scheduled if s.num_new_tokens == 1]
     plan = StepPlan(num_decodes=len(order))
     order += [s for s in out.scheduled if s.num_new_tokens != 1]
@@ -142,7 +143,7 @@ def plan_step(
         and not prompt_rows
         and all(r.plain_greedy for r in [*(s.request for s in sampling), *verifying])
     )
-    direct = sampling and not (plan.argmax_only or prompt_rows or draft_rows)
+    direct = device_draws and sampling and not (plan.argmax_only or prompt_rows or draft_rows)
     if direct and all(s.request.plain for s in sampling):
         plan.sample_rows = [s.request.sample_row() for s in sampling]
     start = len(plan.logits_rows)

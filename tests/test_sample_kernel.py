@@ -259,21 +259,23 @@ def test_the_kernel_compiles_for_hopper():
 
 
 def test_a_step_draws_in_its_graph_where_every_request_samples_plainly():
-    """`plan_step` hands the graph each row's parameters where every request samples
-    plainly and some not greedily; all greedy is the argmax flag; any request with
-    logprobs, logits processing or min_tokens sends the step to the host sampler. A
-    row's token index counts the tokens still on the device (async scheduling)."""
+    """`plan_step` hands the graph each row's parameters where a device draws them and
+    every request samples plainly and some not greedily; all greedy is the argmax flag;
+    any request with logprobs, logits processing or min_tokens sends the step to the
+    host sampler. A row's token index counts the tokens still on the device (async
+    scheduling)."""
     from compilecore.config import CacheConfig, SchedulerConfig
     from runtime.model_runner import plan_step
     from runtime.scheduler import Scheduler
 
-    def planned(*params: SamplingParams):
+    def planned(*params: SamplingParams, device_draws: bool = True):
         scheduler = Scheduler(SchedulerConfig(), CacheConfig(), num_blocks=64)
         requests = [Request(str(i), [1, 2, 3], p) for i, p in enumerate(params)]
         for req in requests:
             Sampler(5).seed_request(req)
             scheduler.add_request(req)
-        return plan_step(scheduler.schedule(), scheduler.block_manager)[0], requests
+        out = scheduler.schedule()
+        return plan_step(out, scheduler.block_manager, device_draws)[0], requests
 
     hot = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.1, seed=3)
     plan, requests = planned(hot, SamplingParams(temperature=0))
@@ -282,6 +284,8 @@ def test_a_step_draws_in_its_graph_where_every_request_samples_plainly():
     assert plan.sample_rows == [((0.8, 0.9, 0.1), (5, 3, 0)), greedy_row]
     plan, _ = planned(SamplingParams(temperature=0), SamplingParams(temperature=0))
     assert plan.argmax_only and plan.sample_rows == []
+    plan, _ = planned(hot, SamplingParams(temperature=0), device_draws=False)  # CPU: no graph
+    assert plan.sample_rows == [] and not plan.argmax_only
     for other in (
         SamplingParams(temperature=0.8, logprobs=1),
         SamplingParams(temperature=0.8, repetition_penalty=1.2),
